@@ -1,0 +1,328 @@
+"""The math of policy-gradient RL for LLMs, as plain torch functions.
+
+No ray or vllm import here: every function runs on CPU or GPU tensors and is tested against
+numbers worked out by hand (tests/test_core.py). Shapes in comments: B rollouts, T tokens, V vocab.
+
+Conventions
+- Log-probs are natural-log probabilities of the *realised* tokens.
+- `get_logprobs(logits, token_ids)` returns one value per position t >= 1: the log-prob of token t
+  given tokens < t, read from logits at t-1. Its output is one shorter than `token_ids`.
+- Masks are 1 for tokens that count (completion tokens the policy chose) and 0 elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# ----------------------------------------------------------------------------------------------
+# Advantages
+
+
+def compute_advantages(rewards, group_size: int, *, normalize_std: bool = False,
+                       eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages: A_i = r_i - mean(group of r_i), optionally divided by (std(group) + eps).
+
+    `rewards` is a flat sequence of len n * group_size, ordered group by group (the G samples of
+    prompt 0, then of prompt 1, ...). The std is the population std (unbiased=False), as in the
+    GRPO paper's z-score; Dr.GRPO recommends leaving it off (the default). Returns float32 (n*G,).
+    """
+    r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if r.numel() % group_size:
+        raise ValueError(f"{r.numel()} rewards do not split into groups of {group_size}: pass all "
+                         f"group_size samples of every prompt (len(rewards) % group_size == 0)")
+    if not torch.isfinite(r).all():
+        raise ValueError(f"rewards contain NaN or inf: {r.tolist()}")
+    g = r.view(-1, group_size)                                   # (n, G)
+    adv = g - g.mean(dim=1, keepdim=True)
+    if normalize_std:
+        adv = adv / (g.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return adv.flatten()
+
+
+# ----------------------------------------------------------------------------------------------
+# Log-probs of realised tokens, memory-lean
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log_softmax(logits / T)[token] computed chunk by chunk along the sequence.
+
+    Forward keeps only the logits (in their own dtype) and a (B, T) logsumexp; backward rebuilds
+    the softmax one chunk at a time. Peak extra memory is one (B, chunk, V) fp32 block, never a
+    full (B, T, V) fp32 log-softmax.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, chunk):
+        B, T, V = logits.shape
+        acc = torch.promote_types(logits.dtype, torch.float32)   # fp32 (fp64 stays fp64)
+        out = torch.empty(B, T, dtype=acc, device=logits.device)
+        lse = torch.empty_like(out)
+        for s in range(0, T, chunk):
+            x = logits[:, s:s + chunk].to(acc) / temperature      # (B, c, V) fp32, one chunk
+            lse[:, s:s + chunk] = torch.logsumexp(x, dim=-1)
+            out[:, s:s + chunk] = x.gather(-1, targets[:, s:s + chunk, None]).squeeze(-1)
+        out -= lse
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, targets, lse = ctx.saved_tensors
+        T, chunk, temp = logits.shape[1], ctx.chunk, ctx.temperature
+        grad = torch.empty_like(logits)
+        for s in range(0, T, chunk):
+            g = grad_out[:, s:s + chunk, None].to(lse.dtype)      # (B, c, 1)
+            p = torch.exp(logits[:, s:s + chunk].to(lse.dtype) / temp - lse[:, s:s + chunk, None])
+            d = -g * p                                            # d/dx of -lse
+            d.scatter_add_(-1, targets[:, s:s + chunk, None], g)  # d/dx of x[target]
+            grad[:, s:s + chunk] = (d / temp).to(logits.dtype)
+        return grad, None, None, None
+
+
+def get_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *, temperature: float = 1.0,
+                 chunk_size: int = 1024) -> torch.Tensor:
+    """Per-token log-probs of the realised tokens: out[..., t-1] = log p(token_ids[t] | < t).
+
+    logits: (B, T, V) or (T, V), as a causal LM returns for `token_ids` (B, T) / (T,). Logits at
+    position t score token t+1, so the last logit row is unused and the output has T-1 entries:
+    out[:, i] scores token_ids[:, i+1]. With a prompt of P tokens and a completion of C tokens,
+    the completion's log-probs are out[:, P-1:] (the last C entries).
+
+    temperature divides the logits first, matching vLLM's sampling log-probs when the engine runs
+    with logprobs_mode="processed_logprobs" (minirl's default). Result is fp32, differentiable,
+    and never materialises a full fp32 (B, T, V) tensor (see _TokenLogprobs).
+    """
+    squeeze = logits.dim() == 2
+    if squeeze:
+        logits, token_ids = logits[None], token_ids[None]
+    if logits.shape[:2] != token_ids.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and token_ids {tuple(token_ids.shape)} "
+                         "disagree: pass the logits the model returned for exactly these token_ids")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (greedy log-probs are log_softmax(logits), "
+                         f"i.e. temperature=1.0), got {temperature}")
+    targets = token_ids[:, 1:].to(device=logits.device, dtype=torch.long)   # (B, T-1)
+    out = _TokenLogprobs.apply(logits[:, :-1], targets, float(temperature), int(chunk_size))
+    return out[0] if squeeze else out
+
+
+def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0,
+                        chunk_size: int = 1024) -> torch.Tensor:
+    """Entropy (nats) of softmax(logits / T) at every position: (..., T, V) -> (..., T), fp32.
+
+    Computed chunk by chunk along T; meant for logging (wrap in torch.no_grad() if so), but it is
+    differentiable for an entropy bonus.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    parts = []
+    for s in range(0, flat.shape[0], chunk_size):
+        x = flat[s:s + chunk_size].float() / temperature
+        logp = torch.log_softmax(x, dim=-1)
+        parts.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(parts).view(logits.shape[:-1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Masks and aggregation
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor | None = None, dim=None) -> torch.Tensor:
+    """Mean of x over entries where mask is 1 (all of x when mask is None); 0 where nothing counts."""
+    if mask is None:
+        return x.mean() if dim is None else x.mean(dim)
+    mask = mask.to(x.dtype)
+    num = (x * mask).sum() if dim is None else (x * mask).sum(dim)
+    den = mask.sum() if dim is None else mask.sum(dim)
+    return num / den.clamp(min=1)
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor | None = None, mode: str = "token-mean",
+              *, max_tokens: int | None = None) -> torch.Tensor:
+    """Reduce a (B, T) per-token loss to a scalar.
+
+    - "token-mean": sum over all counted tokens / number of counted tokens (DAPO). Long answers
+      weigh more, in proportion to their length.
+    - "seq-mean-token-mean": mean over each sequence's counted tokens, then mean over sequences
+      (the original GRPO). Each sequence weighs the same.
+    - "seq-mean-token-sum-norm": each sequence's token sum / max_tokens, then mean over sequences
+      (Dr.GRPO's constant normaliser; max_tokens defaults to T). No length bias from the divisor.
+    A (T,) input is treated as one sequence.
+    """
+    if per_token.dim() == 1:
+        per_token = per_token[None]
+        mask = None if mask is None else mask[None]
+    if mask is None:
+        mask = torch.ones_like(per_token)
+    mask = mask.to(per_token.dtype)
+    if mode == "token-mean":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+    if mode == "seq-mean-token-mean":
+        per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        return per_seq.mean()
+    if mode == "seq-mean-token-sum-norm":
+        norm = per_token.shape[-1] if max_tokens is None else max_tokens
+        return ((per_token * mask).sum(-1) / norm).mean()
+    raise ValueError(f"unknown aggregation {mode!r}; choose one of {AGGREGATIONS}")
+
+
+def _align(new_lp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Right-align new_lp to ref along the last dim (completion tokens are the last ones)."""
+    n, m = new_lp.shape[-1], ref.shape[-1]
+    if n == m:
+        return new_lp
+    if n < m:
+        raise ValueError(f"new log-probs have {n} positions but old log-probs {m}: new_lp must cover "
+                         "at least the scored tokens (pass get_logprobs(logits, token_ids) of the "
+                         "whole prompt + completion)")
+    return new_lp[..., n - m:]
+
+
+def _as_adv(adv, like: torch.Tensor) -> torch.Tensor:
+    a = torch.as_tensor(adv, dtype=torch.float32, device=like.device)
+    if a.dim() == 1 and like.dim() == 2:
+        if a.shape[0] != like.shape[0]:
+            raise ValueError(f"{a.shape[0]} advantages for {like.shape[0]} sequences")
+        a = a[:, None]                                            # one advantage per sequence
+    return a
+
+
+def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages, *,
+                        mask: torch.Tensor | None = None, clip_low: float = 0.2,
+                        clip_high: float | None = None, dual_clip: float | None = None,
+                        aggregation: str = "token-mean", max_tokens: int | None = None
+                        ) -> torch.Tensor:
+    """PPO clipped surrogate loss (to minimise): -min(r*A, clip(r, 1-clip_low, 1+clip_high)*A).
+
+    r = exp(new - old) per token. clip_high defaults to clip_low (symmetric PPO); DAPO's
+    clip-higher uses e.g. clip_low=0.2, clip_high=0.28. dual_clip=c (> 1) bounds the loss of
+    negative-advantage tokens at -c*A (Ye et al. 2020), so a huge ratio cannot blow it up.
+
+    Shapes: old_logprobs (B, C) or (C,); advantages a scalar, (B,) or (B, C); mask like
+    old_logprobs. new_logprobs may be longer than old_logprobs along the last dim: its last C
+    entries are used, which is what get_logprobs(model(token_ids).logits, token_ids) gives for a
+    rollout whose completion (C tokens) ends token_ids. So the seed call
+        clipped_policy_loss(get_logprobs(out.logits, r.token_ids), r.old_logprobs, r.advantage)
+    scores exactly the completion tokens. aggregation: see `aggregate`.
+    """
+    new = _align(new_logprobs, old_logprobs)
+    old = old_logprobs.to(device=new.device, dtype=torch.float32)
+    adv = _as_adv(advantages, old)
+    ch = clip_low if clip_high is None else clip_high
+    ratio = torch.exp(new.float() - old)
+    surr = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_low, 1 + ch) * adv)
+    if dual_clip is not None:
+        if dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        surr = torch.where(adv < 0, torch.maximum(surr, dual_clip * adv), surr)
+    if mask is not None:
+        mask = mask.to(device=new.device)
+    return aggregate(-surr, mask, aggregation, max_tokens=max_tokens)
+
+
+# ----------------------------------------------------------------------------------------------
+# KL estimators (Schulman, "Approximating KL divergence"), samples drawn from the policy
+
+
+def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """k1 = log p - log q: unbiased for KL(p||q), high variance, can be negative. Per token."""
+    return logprobs - ref_logprobs
+
+
+def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """k2 = (log p - log q)^2 / 2: biased, low variance, always >= 0. Per token."""
+    return 0.5 * (logprobs - ref_logprobs) ** 2
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """k3 = q/p - 1 - log(q/p): unbiased for KL(p||q), always >= 0 (GRPO's KL). Per token."""
+    log_ratio = ref_logprobs - logprobs
+    return torch.expm1(log_ratio) - log_ratio
+
+
+# ----------------------------------------------------------------------------------------------
+# Importance weights between the trainer (pi_theta) and the sampler (vLLM)
+
+
+def _log_ratio(train_logprobs, sampling_logprobs, mask, level):
+    lr = (train_logprobs - sampling_logprobs).float()           # (B, C)
+    if level == "token":
+        return lr
+    if level == "sequence":
+        m = torch.ones_like(lr) if mask is None else mask.to(lr.dtype)
+        return (lr * m).sum(-1, keepdim=True).expand_as(lr)       # one weight per sequence
+    raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
+
+
+def truncated_importance_weights(train_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor,
+                                 mask: torch.Tensor | None = None, *, cap: float = 2.0,
+                                 level: str = "token") -> torch.Tensor:
+    """TIS: w = min(pi_train / pi_sampler, cap), detached; multiply the per-token loss by it.
+
+    level="token" uses each token's ratio; level="sequence" the product over the sequence's
+    counted tokens (broadcast to every token). Corrects the vLLM/trainer mismatch (Yao et al. 2025).
+    """
+    return torch.exp(_log_ratio(train_logprobs, sampling_logprobs, mask, level)).clamp(max=cap).detach()
+
+
+def masked_importance_weights(train_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor,
+                              mask: torch.Tensor | None = None, *, low: float = 0.5,
+                              high: float = 2.0, level: str = "token") -> torch.Tensor:
+    """MIS: 1 where low <= pi_train / pi_sampler <= high, else 0 (detached); multiply into the mask.
+
+    Drops tokens (level="token") or whole sequences (level="sequence") whose sampler and trainer
+    disagree too much, instead of reweighting them.
+    """
+    w = torch.exp(_log_ratio(train_logprobs, sampling_logprobs, mask, level))
+    return ((w >= low) & (w <= high)).to(torch.float32).detach()
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics worth logging
+
+
+@torch.no_grad()
+def clip_fraction(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages, *,
+                  mask: torch.Tensor | None = None, clip_low: float = 0.2,
+                  clip_high: float | None = None) -> torch.Tensor:
+    """Fraction of counted tokens whose gradient the clip switched off (ratio outside the trust
+    region on the side the advantage pushes towards)."""
+    new = _align(new_logprobs, old_logprobs).float()
+    old = old_logprobs.to(new)
+    adv = _as_adv(advantages, old).expand_as(old)
+    ch = clip_low if clip_high is None else clip_high
+    ratio = torch.exp(new - old)
+    clipped = ((adv > 0) & (ratio > 1 + ch)) | ((adv < 0) & (ratio < 1 - clip_low))
+    return masked_mean(clipped.float(), mask)
+
+
+@torch.no_grad()
+def approx_kl(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean k3 estimate of KL(old || new) over counted tokens (samples come from old)."""
+    new = _align(new_logprobs, old_logprobs).float()
+    return masked_mean(kl_k3(old_logprobs.to(new), new), mask)
+
+
+def log_ratio_stats(train_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor,
+                    mask: torch.Tensor | None = None) -> dict[str, float]:
+    """Mismatch between trainer and sampler log-probs: mean/max |diff| and mean ratio."""
+    with torch.no_grad():
+        d = (_align(train_logprobs, sampling_logprobs).float() - sampling_logprobs.float())
+        m = torch.ones_like(d) if mask is None else mask.to(d)
+        absd = d.abs() * m
+        return {"logprob_diff_mean": float(absd.sum() / m.sum().clamp(min=1)),
+                "logprob_diff_max": float(absd.max()) if absd.numel() else 0.0,
+                "ratio_mean": float(masked_mean(torch.exp(d), m))}
+
+
+__all__ = [
+    "compute_advantages", "get_logprobs", "entropy_from_logits", "masked_mean", "aggregate",
+    "AGGREGATIONS", "clipped_policy_loss", "kl_k1", "kl_k2", "kl_k3",
+    "truncated_importance_weights", "masked_importance_weights", "clip_fraction", "approx_kl",
+    "log_ratio_stats",
+]

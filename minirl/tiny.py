@@ -1,0 +1,76 @@
+"""A tiny causal LM and character tokenizer, built locally in about a second.
+
+Tests and the default demo share it: no network, loads in transformers and in vLLM's CPU
+build (head_dim 64 >= 32). Random weights, so it knows nothing until trained.
+
+    python -m minirl.tiny /tmp/tiny        # writes config, safetensors and tokenizer there
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+import sys
+from pathlib import Path
+
+SPECIAL = ["<pad>", "<eos>"]
+# One token per character: digits first, so that task code can reason about them.
+CHARS = list(string.digits) + list("+-*=?:, ") + list(string.ascii_lowercase)
+
+
+def vocab() -> dict[str, int]:
+    """Token -> id for the character tokenizer (specials, then CHARS)."""
+    return {tok: i for i, tok in enumerate(SPECIAL + CHARS)}
+
+
+def build_tokenizer():
+    """A `PreTrainedTokenizerFast` that maps every character to one token (no merges)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab=vocab(), unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="?", clean_up_tokenization_spaces=False)
+
+
+def build_tiny_model(path: str | os.PathLike, *, hidden_size: int = 128, num_layers: int = 2,
+                     num_heads: int = 2, intermediate_size: int = 256, vocab_size: int = 64,
+                     tie_word_embeddings: bool = True, seed: int = 0) -> Path:
+    """Write a random-init Qwen3 causal LM plus the character tokenizer to `path`.
+
+    Returns `path`. Rebuilding with the same arguments gives bit-identical weights.
+    vocab_size is padded above the tokenizer's ids (vLLM and HF accept that).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    path = Path(path)
+    tokenizer = build_tokenizer()
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
+    head_dim = hidden_size // num_heads
+    if head_dim < 32:
+        raise ValueError(f"head_dim={head_dim}: vLLM's CPU attention needs head_dim >= 32; "
+                         "raise hidden_size or lower num_heads")
+    config = Qwen3Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
+        head_dim=head_dim, max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None, eos_token_id=vocab()["<eos>"], pad_token_id=vocab()["<pad>"],
+        torch_dtype="float32", rope_theta=10000.0,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    # Fix generation defaults so vLLM applies none of its own (explicit SamplingParams rule anyway).
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": vocab()["<eos>"]}))
+    return path
+
+
+if __name__ == "__main__":
+    print(build_tiny_model(sys.argv[1] if len(sys.argv) > 1 else "tiny-model"))
