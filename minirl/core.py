@@ -91,9 +91,11 @@ def get_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *, temperature: 
     out[:, i] scores token_ids[:, i+1]. With a prompt of P tokens and a completion of C tokens,
     the completion's log-probs are out[:, P-1:] (the last C entries).
 
-    temperature divides the logits first, matching vLLM's sampling log-probs when the engine runs
-    with logprobs_mode="processed_logprobs" (minirl's default). Result is fp32, differentiable,
-    and never materialises a full fp32 (B, T, V) tensor (see _TokenLogprobs).
+    temperature (> 0) divides the logits first, matching vLLM's sampling log-probs when the engine
+    runs with logprobs_mode="processed_logprobs" (minirl's default). chunk_size (>= 1) is how many
+    positions are processed at once. The result is fp32 (fp64 for fp64 logits; bf16/fp16 logits
+    are upcast to fp32), differentiable, and no full fp32 (B, T, V) tensor is ever materialised
+    or saved for backward (see _TokenLogprobs).
     """
     squeeze = logits.dim() == 2
     if squeeze:
@@ -104,6 +106,8 @@ def get_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *, temperature: 
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (greedy log-probs are log_softmax(logits), "
                          f"i.e. temperature=1.0), got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     targets = token_ids[:, 1:].to(device=logits.device, dtype=torch.long)   # (B, T-1)
     out = _TokenLogprobs.apply(logits[:, :-1], targets, float(temperature), int(chunk_size))
     return out[0] if squeeze else out
@@ -116,12 +120,16 @@ def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0,
     Computed chunk by chunk along T; meant for logging (wrap in torch.no_grad() if so), but it is
     differentiable for an entropy bonus.
     """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     flat = logits.reshape(-1, logits.shape[-1])
     parts = []
     for s in range(0, flat.shape[0], chunk_size):
         x = flat[s:s + chunk_size].float() / temperature
         logp = torch.log_softmax(x, dim=-1)
-        parts.append(-(logp.exp() * logp).sum(-1))
+        p = logp.exp()
+        # 0 * log 0 = 0: a -inf logit (masked token) must not turn the entropy into NaN.
+        parts.append(-(p * logp.masked_fill(p == 0, 0.0)).sum(-1))
     return torch.cat(parts).view(logits.shape[:-1])
 
 
@@ -249,7 +257,8 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
 
 def _log_ratio(train_logprobs, sampling_logprobs, mask, level):
-    lr = (train_logprobs - sampling_logprobs).float()           # (B, C)
+    # Right-align like clipped_policy_loss / log_ratio_stats: train_logprobs may cover the prompt.
+    lr = (_align(train_logprobs, sampling_logprobs) - sampling_logprobs).float()   # (B, C)
     if level == "token":
         return lr
     if level == "sequence":
@@ -265,6 +274,8 @@ def truncated_importance_weights(train_logprobs: torch.Tensor, sampling_logprobs
 
     level="token" uses each token's ratio; level="sequence" the product over the sequence's
     counted tokens (broadcast to every token). Corrects the vLLM/trainer mismatch (Yao et al. 2025).
+    Shapes: sampling_logprobs and mask (B, C) or (C,); train_logprobs may be longer along the last
+    dim (e.g. get_logprobs over prompt + completion): its last C entries are used.
     """
     return torch.exp(_log_ratio(train_logprobs, sampling_logprobs, mask, level)).clamp(max=cap).detach()
 

@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 
 SPECIAL = ["<pad>", "<eos>"]
-# One token per character: digits first, so that task code can reason about them.
-CHARS = list(string.digits) + list("+-*=?:, ") + list(string.ascii_lowercase)
+# One token per character; 62 of them, so with the 2 specials the vocabulary is exactly 64
+# (every id the model can sample decodes to a character).
+CHARS = list(string.digits) + list("+-*=?:, ") + list(string.ascii_lowercase) + list("ABCDEFGHIJKLMNOPQR")
 
 
 def vocab() -> dict[str, int]:

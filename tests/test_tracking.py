@@ -1,0 +1,185 @@
+"""minirl.tracking on CPU: JSONL/config files, ranks, TensorBoard, fake W&B/MLflow, plots, CLI."""
+
+import json
+import math
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from minirl.tracking import Tracker, plot_metrics, read_metrics
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _tracker(tmp_path, **kw):
+    kw.setdefault("backends", ())
+    kw.setdefault("console", False)
+    kw.setdefault("rank", 0)
+    return Tracker(tmp_path / "run", **kw)
+
+
+def test_jsonl_records_and_scalar_types(tmp_path):
+    with _tracker(tmp_path) as t:
+        t.log({"reward/mean": torch.tensor(0.5), "loss": np.float32(0.25), "n": np.int64(3),
+               "ok": True, "time/generate": 1.5}, step=1)
+        t.log({"loss": 0.125}, step=2)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    r = [json.loads(x) for x in lines]
+    assert r[0]["step"] == 1 and isinstance(r[0]["time"], float)
+    assert r[0]["reward/mean"] == 0.5 and r[0]["loss"] == 0.25
+    assert r[0]["n"] == 3 and type(r[0]["n"]) is int and r[0]["ok"] == 1
+    assert r[0]["time/generate"] == 1.5 and "nonfinite" not in r[0]
+    assert r[1] == {"step": 2, "time": r[1]["time"], "loss": 0.125}
+    assert read_metrics(tmp_path / "run") == r
+
+
+def test_append_on_resume_and_config(tmp_path):
+    cfg = {"lr": 1e-6, "model": {"name": "tiny", "layers": 2}}
+    with _tracker(tmp_path, config=cfg) as t:
+        t.log({"loss": 1.0}, step=1)
+    with _tracker(tmp_path, config=cfg) as t:       # resumed run: same dir, same file
+        t.log({"loss": 0.5}, step=2)
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+    assert json.loads((tmp_path / "run" / "config.json").read_text()) == cfg
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:   # a crash mid-write
+        f.write('{"step": 3, "lo')
+    assert len(read_metrics(tmp_path / "run")) == 2
+
+
+def test_nonfinite_written_as_null_and_listed(tmp_path):
+    with _tracker(tmp_path) as t:
+        t.log({"loss": float("nan"), "kl": torch.tensor(float("inf")), "ok": 1.0}, step=3)
+    line = (tmp_path / "run" / "metrics.jsonl").read_text().strip()
+    assert "NaN" not in line and "Infinity" not in line       # strict JSON
+    r = json.loads(line)
+    assert r["loss"] is None and r["kl"] is None and r["ok"] == 1.0
+    assert sorted(r["nonfinite"]) == ["kl", "loss"]
+
+
+def test_bad_values_and_reserved_keys(tmp_path):
+    with _tracker(tmp_path) as t:
+        with pytest.raises(TypeError, match="text"):
+            t.log({"text": "hello"}, step=1)
+        with pytest.raises(ValueError, match="reserved"):
+            t.log({"step": 1}, step=1)
+
+
+def test_other_ranks_write_nothing(tmp_path, monkeypatch):
+    with _tracker(tmp_path, rank=1, backends=("tensorboard",), config={"a": 1}) as t:
+        t.log({"loss": 1.0}, step=1)
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("RANK", "2")                          # default rank from the env
+    t = Tracker(tmp_path / "run2", backends=(), console=False)
+    assert t.rank == 2 and not t.enabled
+    t.log({"loss": 1.0}, step=1)
+    t.close()
+    assert not (tmp_path / "run2").exists()
+
+
+def test_console_bar(tmp_path, capsys):
+    with _tracker(tmp_path, console=True, total_steps=4) as t:
+        t.log({"reward/mean": 0.5, "loss": 0.1234, "time/generate": 2.0, "other": 9.0}, step=2)
+        assert t._bar.n == 2
+    err = capsys.readouterr().err
+    assert "reward=0.5" in err and "loss=0.123" in err and "generate=2" in err
+    assert "other" not in err
+    with _tracker(tmp_path, console=False) as t:
+        t.log({"loss": 1.0}, step=1)
+    assert capsys.readouterr() == ("", "")
+
+
+def test_tensorboard_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with _tracker(tmp_path, backends=("tensorboard",)) as t:
+        t.log({"reward/mean": 0.25, "time/train": 1.0}, step=1)
+        t.log({"reward/mean": 0.75}, step=2)
+    tb = tmp_path / "run" / "tb"
+    assert list(tb.glob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    assert {"reward/mean", "time/train"} <= set(acc.Tags()["scalars"])
+    ev = acc.Scalars("reward/mean")
+    assert [e.step for e in ev] == [1, 2]
+    assert [e.value for e in ev] == pytest.approx([0.25, 0.75])
+
+
+def _fake_module(name, calls, funcs):
+    mod = types.ModuleType(name)
+    for f in funcs:
+        setattr(mod, f, lambda *a, _f=f, **kw: calls.append((_f, a, kw)))
+    return mod
+
+
+def test_wandb_adapter(tmp_path, monkeypatch):
+    calls = []
+    fake = _fake_module("wandb", calls, ["init", "log", "finish"])
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = {"lr": 0.1}
+    with _tracker(tmp_path, backends=("wandb",), config=cfg, project="p", run_name="r") as t:
+        t.log({"reward/mean": torch.tensor(0.5), "loss": float("nan")}, step=7)
+    assert [c[0] for c in calls] == ["init", "log", "finish"]
+    assert calls[0][2] == {"project": "p", "name": "r", "config": cfg,
+                           "dir": str(tmp_path / "run")}
+    (values,), kw = calls[1][1], calls[1][2]
+    assert kw == {"step": 7} and values["reward/mean"] == 0.5 and math.isnan(values["loss"])
+
+
+def test_mlflow_adapter(tmp_path, monkeypatch):
+    calls = []
+    fns = ["set_experiment", "start_run", "log_params", "log_metrics", "end_run"]
+    monkeypatch.setitem(sys.modules, "mlflow", _fake_module("mlflow", calls, fns))
+    cfg = {"lr": 0.1, "model": {"name": "tiny"}}
+    with _tracker(tmp_path, backends=["mlflow"], config=cfg, project="p", run_name="r") as t:
+        t.log({"reward/mean": 0.5, "time/gen:vllm": 2}, step=3)
+    assert [c[0] for c in calls] == fns
+    assert calls[0][1] == ("p",) and calls[1][2] == {"run_name": "r"}
+    assert calls[2][1] == ({"lr": "0.1", "model.name": "tiny"},)
+    assert calls[3][1] == ({"reward/mean": 0.5, "time/gen_vllm": 2.0},)
+    assert calls[3][2] == {"step": 3}
+
+
+@pytest.mark.parametrize("name", ["wandb", "mlflow"])
+def test_missing_backend_import_error(tmp_path, monkeypatch, name):
+    monkeypatch.setitem(sys.modules, name, None)           # makes `import name` fail
+    with pytest.raises(ImportError, match=f"pip install {name}"):
+        _tracker(tmp_path, backends=(name,))
+    assert not (tmp_path / "run").exists()
+
+
+def test_unknown_backend(tmp_path):
+    with pytest.raises(ValueError, match="tensorboard"):
+        _tracker(tmp_path, backends=("neptune",))
+
+
+def _write_run(tmp_path):
+    with _tracker(tmp_path) as t:
+        for s in range(1, 6):
+            t.log({"reward/mean": s / 5, "reward/std": 0.1, "loss": 1 / s if s != 3 else math.nan,
+                   "time/generate": 1.0 + s, "time/train": 0.5}, step=s)
+    return tmp_path / "run" / "metrics.jsonl"
+
+
+def test_plot_metrics_png(tmp_path):
+    jsonl = _write_run(tmp_path)
+    out = plot_metrics(jsonl, tmp_path / "plots" / "m.png", keys=["loss"])
+    assert out == tmp_path / "plots" / "m.png"
+    data = out.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 1000
+
+
+def test_cli_plot(tmp_path):
+    _write_run(tmp_path)
+    out = tmp_path / "cli.png"
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-m", "minirl.tracking", "plot", str(tmp_path / "run"),
+                          "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == str(out)
+    assert out.read_bytes()[:8] == PNG_MAGIC
