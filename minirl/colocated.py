@@ -189,14 +189,23 @@ class WeightManager:
         cfg = self.config = config or WeightManagerConfig()
         if cfg.sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {cfg.sleep_level}")
+        # Check everything that can be checked before any heavy work.
         self.path = _check_model_path(model)
+        from minirl.distributed import pick_device
+        device = pick_device(int(os.environ.get("LOCAL_RANK", 0)))
+        compute_dtype = _precision(cfg.mixed_precision, device)
+        from minirl import vllm_compat as vc
+        self._vc = vc
+        kw = vc.engine_kwargs(llm_kwargs, sleep=device.type == "cuda", seed=cfg.seed)
+        kw.setdefault("trust_remote_code", cfg.trust_remote_code)
+        kw.setdefault("dtype", str(compute_dtype).removeprefix("torch."))  # engine computes as trainer
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        kw.update(_memory_plan(_num_params(self.path, cfg.trust_remote_code), world, device, kw))
+
         self.rank = init_distributed(cfg.dist_timeout_s)
         self.device = self.rank.device
-        compute_dtype = _precision(cfg.mixed_precision, self.device)
-        extra = _memory_plan(_num_params(self.path, cfg.trust_remote_code), self.rank.world_size,
-                             self.device, llm_kwargs)
+        kw["seed"] = llm_kwargs.get("seed", cfg.seed) + self.rank.rank   # ranks sample differently
         torch.manual_seed(cfg.seed + self.rank.rank)
-
         self.model = load_fsdp_model(self.path, self.device, self.rank.world_size, compute_dtype,
                                      activation_checkpointing=cfg.activation_checkpointing,
                                      trust_remote_code=cfg.trust_remote_code)
@@ -206,12 +215,6 @@ class WeightManager:
 
         if self.device.type == "cpu":  # else vLLM drops this process to one torch thread
             os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
-        from minirl import vllm_compat as vc
-        self._vc = vc
-        kw = vc.engine_kwargs({**extra, **llm_kwargs}, sleep=self.device.type == "cuda",
-                              seed=cfg.seed + self.rank.rank)
-        kw.setdefault("trust_remote_code", cfg.trust_remote_code)
-        kw.setdefault("dtype", str(compute_dtype).removeprefix("torch."))  # engine computes as trainer
         self.llm = vc.build_llm(self.path, **kw)
         self.llm._minirl_check = self._check_generate
         self.engine_dtype = vc.engine_dtype(self.llm)
@@ -219,6 +222,9 @@ class WeightManager:
 
         self.policy_version = 0
         self.timings: dict[str, float] = {}
+        """Seconds spent in the last switch: sleep_s, wake_weights_s, gather_s, load_s, wake_kv_s,
+        verify_s (those that ran), and probe_gap (mean |log-prob gap|) when verified."""
+        self._cycle: dict[str, float] = {}
         self.last_probe_gap: float | None = None
         self._dirty = False
         self._mode = "generate"
@@ -256,7 +262,7 @@ class WeightManager:
             if self.config.verify_sync and "load_s" in t:
                 with _timer(t, "verify_s", self.device):
                     self._verify(t)
-            self.timings.update(t)
+            self.timings = {**self._cycle, **t}   # the whole last train -> generate switch
         set_rollout_context(policy_version=self.policy_version, device=self.device)
         return self.llm
 
@@ -268,7 +274,7 @@ class WeightManager:
             if self._sleeps:
                 with _timer(t, "sleep_s", self.device):
                     self._vc.sleep(self.llm, self.config.sleep_level if self.config.sync_weights else 1)
-            self.timings = t
+            self._cycle = t
             self._mode = "train"
         self.model.train()
         return self.model, self.optimizer

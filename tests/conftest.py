@@ -1,0 +1,41 @@
+"""Shared fixtures. CPU only; builds the tiny local model once per session (no downloads).
+
+Engine fixtures run vLLM in this process (as WeightManager always does); tests that need a
+fresh process (whole jobs, torchrun, Ray clusters) start one with subprocess.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from minirl.tiny import build_tiny_model
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(scope="session")
+def wm(tiny_model):
+    """One co-located WeightManager (fp32, CPU) shared by the engine tests."""
+    from minirl.colocated import WeightManager
+    m = WeightManager(tiny_model, lr=1e-3, enforce_eager=True, max_model_len=128)
+    yield m
+    m.close()
+
+
+def run_py(args, *, timeout=600, env=None, cwd=ROOT):
+    """Run a python command in a fresh process; return CompletedProcess (text)."""
+    import subprocess
+    dist_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    e = {k: v for k, v in os.environ.items() if k not in dist_vars}   # this process's world
+    e.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+    return subprocess.run([PYTHON, *args], cwd=cwd, env=e, capture_output=True, text=True,
+                          timeout=timeout)

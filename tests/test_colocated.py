@@ -1,0 +1,179 @@
+"""WeightManager on real vLLM (CPU build) + FSDP2 (gloo): the seed loop, sync, its checks,
+learning end to end, and two ranks under torchrun.
+
+Needs: CPU only (2 cores is enough). The job-level tests start fresh processes.
+"""
+
+import contextlib
+import json
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from conftest import run_py
+from minirl import clipped_policy_loss, get_logprobs, parse_vllm_outputs
+from minirl.colocated import SyncError, WeightManager, WeightManagerConfig
+from minirl.tasks import get_task
+
+
+def _rollouts(wm, n_prompts=4, group=4, seed=0):
+    task = get_task("succ")
+    prompts, answers = task.sample(n_prompts, seed=seed)
+    llm = wm.as_vllm()
+    outputs = llm.generate(prompts, SamplingParams(n=group, temperature=1.0, max_tokens=2, logprobs=0),
+                           use_tqdm=False)
+    batches = parse_vllm_outputs(outputs, group_size=group, reward_fn=task.reward, metadata=answers)
+    return batches
+
+
+def test_seed_loop_verbatim_then_sync(wm):
+    batches = _rollouts(wm)
+    v0 = wm.policy_version
+    assert all(r.policy_version == v0 for b in batches for r in b)
+    for b in batches: b.compute_advantages()
+    all_rollouts = [r for b in batches for r in b]
+    model, optimizer = wm.as_trainable()
+    for epoch in range(2):
+        for rollout in all_rollouts:
+            out = model(rollout.token_ids, output_hidden_states=True)
+            loss = clipped_policy_loss(get_logprobs(out.logits, rollout.token_ids),
+                                       rollout.old_logprobs, rollout.advantage)
+            optimizer.zero_grad(); loss.backward(); optimizer.step()
+    assert torch.isfinite(loss)
+    llm = wm.as_vllm()                                     # syncs: the optimizer stepped
+    assert wm.policy_version == v0 + 1
+    assert wm.last_probe_gap < 2e-3 and {"gather_s", "load_s", "verify_s"} <= set(wm.timings)
+    batches = _rollouts(wm, seed=1)
+    assert all(r.policy_version == v0 + 1 for b in batches for r in b)
+    assert llm is wm.as_vllm()                             # no step -> no sync, same engine
+    assert wm.policy_version == v0 + 1
+
+
+def _step(wm):
+    model, opt = wm.as_trainable()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    loss = -get_logprobs(model(ids).logits, ids).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+
+
+class _Sabotage:
+    """Replace vllm_compat.weight_update with a loader that misbehaves in a chosen way."""
+
+    def __init__(self, wm, mode):
+        self.wm, self.mode, self.real = wm, mode, wm._vc.weight_update
+
+    @contextlib.contextmanager
+    def __call__(self, llm):
+        wm, mode = self.wm, self.mode
+        with self.real(llm) as load:
+            class L:
+                loaded = load.loaded
+
+                def __call__(self, bucket):
+                    if mode == "noise":
+                        load([(n, t + 0.05 * torch.randn_like(t)) for n, t in bucket])
+                    elif mode == "partial":
+                        load([(n, t) for n, t in bucket if "layers.1." not in n])
+                    elif mode == "noop":
+                        self.loaded |= wm._expected        # claims success, loads nothing
+            yield L()
+
+
+@pytest.mark.parametrize("mode, msg", [("noise", "probe differ"), ("partial", "did not accept"),
+                                       ("noop", "changed nothing")])
+def test_broken_sync_raises(wm, monkeypatch, mode, msg):
+    _step(wm)
+    monkeypatch.setattr(wm._vc, "weight_update", _Sabotage(wm, mode))
+    with pytest.raises(SyncError, match=msg):
+        wm.as_vllm()
+    monkeypatch.undo()
+    wm.mark_dirty()                    # repair for the tests that follow
+    wm.as_trainable()
+    wm.as_vllm()
+    assert wm.last_probe_gap < 2e-3
+
+
+def test_tied_embedding_change_reaches_lm_head(wm):
+    """A changed (tied) embedding must change vLLM's output layer too (regression: on CPU the
+    tied lm_head kept a packed copy of the old embedding)."""
+    model, _ = wm.as_trainable()
+    assert wm.model.config.tie_word_embeddings
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb.add_(0.05 * torch.randn_like(emb))
+    wm.mark_dirty()
+    wm.as_vllm()                       # raises SyncError if the probe disagrees
+    assert wm.last_probe_gap < 2e-3
+
+
+def test_generate_after_as_trainable_is_an_error(wm):
+    llm = wm.as_vllm()
+    wm.as_trainable()
+    with pytest.raises(RuntimeError, match="as_vllm"):
+        llm.generate(["1+1="], SamplingParams(max_tokens=1))
+    wm.as_vllm().generate(["1+1="], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+@pytest.mark.parametrize("kwargs, err, msg", [
+    (dict(model="/nonexistent/model"), FileNotFoundError, "not found"),
+    (dict(model="not-a-hub-name/with/slashes"), FileNotFoundError, "not found"),
+    (dict(config=WeightManagerConfig(mixed_precision="fp16")), ValueError, "loss scaling"),
+    (dict(config=WeightManagerConfig(mixed_precision="int8")), ValueError, "mixed_precision"),
+    (dict(config=WeightManagerConfig(sleep_level=3)), ValueError, "sleep_level"),
+    (dict(enable_sleep_mode=True), ValueError, "no sleep mode on CPU"),
+    (dict(distributed_executor_backend="mp"), ValueError, "external_launcher"),
+])
+def test_bad_arguments_fail_before_any_work(tiny_model, kwargs, err, msg):
+    kwargs = {"model": tiny_model, **kwargs}
+    with pytest.raises(err, match=msg):
+        WeightManager(kwargs.pop("model"), **kwargs)
+
+
+def test_model_directory_without_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        WeightManager(str(tmp_path))
+
+
+def test_model_that_does_not_fit(tiny_model, monkeypatch):
+    import psutil
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=1 << 20))
+    with pytest.raises(MemoryError, match="does not fit"):
+        WeightManager(tiny_model)
+
+
+# ---- whole jobs in fresh processes ----------------------------------------------------------
+
+def _rewards(run_dir):
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return [r["reward/mean"] for r in rows], rows
+
+
+@pytest.mark.slow
+def test_demo_learns_and_needs_sync(tmp_path):
+    """The default demo's reward rises from real rollouts; with sync off it does not."""
+    args = ["launch/colocated.py", "--steps", "24", "--backends", ""]
+    res = run_py([*args, "--run-dir", str(tmp_path / "on")])
+    assert res.returncode == 0, res.stderr[-3000:]
+    on, rows = _rewards(tmp_path / "on")
+    first, last = sum(on[:4]) / 4, sum(on[-4:]) / 4
+    assert rows[-1]["policy_version"] == 23
+    assert last > 0.4 and last > first + 0.3, on
+    assert (tmp_path / "on" / "reward_curve.png").stat().st_size > 1000
+
+    res = run_py([*args, "--run-dir", str(tmp_path / "off"), "--no-sync"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    off, rows = _rewards(tmp_path / "off")
+    assert rows[-1]["policy_version"] == 0         # optimizer stepped, engine never synced
+    assert sum(off[-4:]) / 4 < 0.15, off           # stays at the random model's ~1/64
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks(tmp_path):
+    res = run_py(["-m", "torch.distributed.run", "--nproc_per_node", "2", "launch/colocated.py",
+                  "--steps", "4", "--prompts", "8", "--backends", "", "--run-dir", str(tmp_path)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    rewards, rows = _rewards(tmp_path)
+    assert len(rows) == 4 and rows[-1]["policy_version"] == 3     # every rank synced 3 times
+    assert all(r["switch/probe_gap"] < 2e-3 for r in rows[1:])   # each rank's engine == shards

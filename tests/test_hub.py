@@ -1,0 +1,282 @@
+"""Tests for minirl.hub.RolloutHub, the async backend's bookkeeping (plain class, no Ray).
+
+Run: `pytest tests/test_hub.py` (about a second). Hardware: CPU (any).
+
+Covers leasing / putting / taking in FIFO order, requeueing a lost worker's prompts at the
+front, recycling stale batches, dropping duplicates, the error messages, and an exactly-once
+property: randomized runs with several workers, worker deaths (with late "zombie" puts from
+the dead), random staleness and prompts added while running must deliver every uid exactly
+once and end finished().
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minirl.data import Rollout, RolloutBatch
+from minirl.hub import PromptItem, RolloutHub
+
+
+def batch(uid, version=0, g=2) -> RolloutBatch:
+    return RolloutBatch([Rollout(prompt_ids=[1, 2], completion_ids=[3], sampling_logprobs=[-0.5],
+                                 reward=float(i), uid=uid, policy_version=version)
+                         for i in range(g)], uid=uid)
+
+
+def prompts(uids):
+    return [PromptItem(uid=u, prompt=f"p{u}", metadata={"answer": u}) for u in uids]
+
+
+def uids(xs):
+    return [x.uid for x in xs]
+
+
+def invariant(hub: RolloutHub, added: int):
+    s = hub.stats()
+    assert s["pending"] + s["leased"] + s["buffered"] + s["delivered"] == added, s
+
+
+def test_lease_put_take_fifo():
+    hub = RolloutHub(max_batches=4)
+    hub.add_prompts(prompts(range(5)))
+    a = hub.take_prompts("a", 2)
+    b = hub.take_prompts("b", 2)
+    assert uids(a) == [0, 1] and uids(b) == [2, 3]
+    assert a[0].prompt == "p0" and a[0].metadata == {"answer": 0} and a[0].attempts == 0
+    assert hub.stats()["pending"] == 1 and hub.stats()["leased"] == 4
+    assert hub.space() == 4
+    assert hub.put_batches("b", [batch(3), batch(2)]) == 2
+    assert hub.put_batches("a", [batch(0)]) == 1
+    assert hub.space() == 1 and hub.stats()["leased"] == 1
+    assert hub.take_batches(4) is None                       # only 3 buffered: take nothing
+    assert hub.stats()["buffered"] == 3
+    assert uids(hub.take_batches(2)) == [3, 2]               # oldest put first
+    assert uids(hub.take_batches(1)) == [0]
+    assert hub.stats()["delivered"] == 3
+    invariant(hub, 5)
+
+
+def test_take_prompts_empty_and_finished():
+    hub = RolloutHub(max_batches=2)
+    assert hub.take_prompts("a", 3) == []
+    assert not hub.finished()                                # not closed yet
+    hub.add_prompts(prompts([7]))
+    hub.close_prompts()
+    (item,) = hub.take_prompts("a", 3)
+    assert not hub.finished()                                # leased
+    hub.put_batches("a", [batch(7)])
+    assert not hub.finished()                                # buffered
+    hub.take_batches(1)
+    assert hub.finished()
+    with pytest.raises(ValueError, match="closed"):
+        hub.add_prompts(prompts([8]))
+
+
+def test_release_worker_requeues_at_front():
+    hub = RolloutHub(max_batches=8)
+    hub.add_prompts(prompts(range(6)))
+    assert uids(hub.take_prompts("a", 2)) == [0, 1]
+    assert uids(hub.take_prompts("b", 2)) == [2, 3]
+    assert hub.release_worker("a") == 2
+    assert hub.release_worker("a") == 0
+    again = hub.take_prompts("c", 3)
+    assert uids(again) == [0, 1, 4]                          # front, in lease order, then FIFO
+    assert [x.attempts for x in again] == [1, 1, 0]
+    # unregister_worker releases too; register of a known id (a restart) starts it clean
+    hub.register_worker("b", handle="hb")
+    assert hub.workers() == {"b": "hb"}
+    assert hub.stats()["leased"] == 3 and uids(hub.take_prompts("b", 1)) == [2]
+    assert hub.unregister_worker("c") == 3
+    assert uids(hub.take_prompts("d", 10)) == [0, 1, 4, 3, 5]
+    assert hub.workers() == {"b": "hb"}
+    invariant(hub, 6)
+
+
+def test_stale_batches_are_recycled_and_delivered_once():
+    hub = RolloutHub(max_batches=4)
+    hub.add_prompts(prompts([0, 1]))
+    hub.close_prompts()
+    hub.take_prompts("a", 2)
+    hub.put_batches("a", [batch(0, version=0), batch(1, version=3)])
+    out = hub.take_batches(1, min_version=2)                 # uid 0 is stale: recycled
+    assert uids(out) == [1]
+    s = hub.stats()
+    assert s["recycled_stale"] == 1 and s["pending"] == 1 and s["buffered"] == 0
+    assert hub.take_batches(1, min_version=2) is None
+    (item,) = hub.take_prompts("b", 4)
+    assert item.uid == 0 and item.attempts == 1
+    hub.put_batches("b", [batch(0, version=2)])
+    assert uids(hub.take_batches(1, min_version=2)) == [0]
+    assert hub.finished() and hub.stats()["delivered"] == 2
+
+
+def test_stale_check_uses_oldest_rollout_of_the_batch():
+    hub = RolloutHub(max_batches=2)
+    hub.add_prompts(prompts([0]))
+    hub.take_prompts("a", 1)
+    b = batch(0, version=5)
+    b.rollouts[1].policy_version = 1                         # one old completion makes it stale
+    hub.put_batches("a", [b])
+    assert hub.take_batches(1, min_version=2) is None
+    assert hub.stats()["recycled_stale"] == 1
+
+
+def test_duplicates_dropped():
+    hub = RolloutHub(max_batches=4)
+    hub.add_prompts(prompts([0, 1]))
+    hub.take_prompts("a", 2)
+    assert hub.put_batches("a", [batch(0), batch(0)]) == 1   # second one: already buffered
+    assert hub.put_batches("b", [batch(99)]) == 0            # unknown uid
+    assert uids(hub.take_batches(1)) == [0]
+    assert hub.put_batches("a2", [batch(0)]) == 0            # already delivered
+    assert hub.stats()["duplicates"] == 3
+    # a dead worker's late batch is accepted if its prompt is still undelivered (first wins)
+    hub.release_worker("a")
+    assert hub.stats()["pending"] == 1
+    assert hub.put_batches("a", [batch(1)]) == 1
+    assert hub.stats()["pending"] == 0 and hub.take_prompts("c", 5) == []
+    invariant(hub, 2)
+
+
+def test_errors():
+    hub = RolloutHub(max_batches=2, model_id="org/model-a", name="rq")
+    hub.add_prompts(prompts([0]))
+    with pytest.raises(ValueError, match="duplicate prompt uid 0"):
+        hub.add_prompts(prompts([1, 0]))
+    assert hub.stats()["pending"] == 1                       # all or nothing: 1 was not added
+    with pytest.raises(ValueError, match="duplicate prompt uid 2"):
+        hub.add_prompts(prompts([2, 2]))
+    with pytest.raises(TypeError, match="PromptItem"):
+        hub.add_prompts([{"uid": 3, "prompt": "x"}])
+    with pytest.raises(TypeError, match=r"got builtins\.list.*RolloutBatch\(rollouts, uid="):
+        hub.put_batches("a", [batch(0).rollouts])
+    with pytest.raises(TypeError, match="Rollout"):
+        hub.put_batches("a", [batch(0), batch(0).rollouts[0]])
+    assert hub.stats()["buffered"] == 0                      # nothing taken from a bad list
+    with pytest.raises(ValueError, match="uid is None"):
+        hub.put_batches("a", [batch(None)])
+    with pytest.raises(ValueError, match="max_batches=2"):
+        hub.take_batches(3)
+    with pytest.raises(ValueError):
+        RolloutHub(max_batches=0)
+    hub.check_model("org/model-a")
+    hub.check_model(None)
+    with pytest.raises(ValueError, match="queue rq serves model org/model-a but this worker was "
+                                         "started with model org/model-b"):
+        hub.check_model("org/model-b")
+    RolloutHub(max_batches=1).check_model("anything")       # unset on the hub: no check
+
+
+def test_delivered_uid_cannot_be_re_added():
+    hub = RolloutHub(max_batches=1)
+    hub.add_prompts(prompts([0]))
+    hub.take_prompts("a", 1)
+    hub.put_batches("a", [batch(0)])
+    hub.take_batches(1)
+    with pytest.raises(ValueError, match="duplicate prompt uid 0"):
+        hub.add_prompts(prompts([0]))
+
+
+def test_version_and_weights():
+    hub = RolloutHub(max_batches=1)
+    assert hub.version() == 0 and hub.weights() == (0, None)
+    hub.set_version(3, weights=["refs"])
+    assert hub.version() == 3 and hub.weights() == (3, ["refs"])
+    assert hub.stats()["version"] == 3
+    hub.set_version(4)
+    assert hub.weights() == (4, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exactly-once under random schedules
+
+
+def simulate(seed: int, n_prompts: int = 40, n_workers: int = 3, max_batches: int = 6,
+             step_batches: int = 4, max_lag: int = 1) -> RolloutHub:
+    rng = random.Random(seed)
+    hub = RolloutHub(max_batches=max_batches)
+    all_uids = list(range(n_prompts))
+    to_add = list(all_uids)
+    added = 0
+    # each worker: its in-flight (uid, version it generated with); zombies: dead workers' work
+    inflight: dict[str, list] = {f"w{i}": [] for i in range(n_workers)}
+    zombies: list = []
+    restarts = 0
+    delivered = Counter()
+    version = 0
+    for _ in range(100_000):
+        if hub.finished():
+            break
+        r = rng.random()
+        w = rng.choice(list(inflight))
+        if r < 0.1 and to_add:                                 # prompts arrive in chunks
+            k = rng.randint(1, 10)
+            hub.add_prompts(prompts(to_add[:k]))
+            added += len(to_add[:k])
+            to_add = to_add[k:]
+            if not to_add:
+                hub.close_prompts()
+        elif r < 0.35:                                         # a worker leases prompts
+            lag = rng.choice([0, 0, 0, 1, 2])                  # sometimes an old engine
+            inflight[w] += [(x.uid, max(0, version - lag)) for x in hub.take_prompts(w, rng.randint(1, 4))]
+        elif r < 0.6 and inflight[w]:                          # a worker finishes some
+            done = [inflight[w].pop(rng.randrange(len(inflight[w])))
+                    for _ in range(rng.randint(1, len(inflight[w])))]
+            if hub.space() >= 1:
+                hub.put_batches(w, [batch(u, v) for u, v in done])
+            else:
+                inflight[w] += done                            # backpressure: retry later
+        elif r < 0.65:                                         # a worker dies and restarts
+            zombies += inflight[w]
+            inflight[w] = []
+            if rng.random() < 0.5:
+                hub.release_worker(w)
+            else:
+                hub.register_worker(w)                         # restart with the same id
+            restarts += 1
+        elif r < 0.7 and zombies:                              # a dead worker's late result
+            u, v = zombies.pop(rng.randrange(len(zombies)))
+            hub.put_batches("zombie", [batch(u, v)])
+        else:                                                  # the trainer steps
+            remaining = n_prompts - sum(delivered.values())
+            n = max(1, min(step_batches, remaining))
+            out = hub.take_batches(n, min_version=max(0, version - max_lag))
+            if out is not None:
+                assert all(b.policy_version >= version - max_lag for b in out)
+                delivered.update(b.uid for b in out)
+                version += 1
+                hub.set_version(version)
+        invariant(hub, added)
+    assert hub.finished(), hub.stats()
+    assert sorted(delivered) == all_uids
+    assert set(delivered.values()) == {1}
+    assert hub.stats()["delivered"] == n_prompts
+    assert hub.stats()["pending"] == hub.stats()["leased"] == hub.stats()["buffered"] == 0
+    return hub
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_exactly_once_seeded(seed):
+    hub = simulate(seed)
+    assert hub.stats()["delivered"] == 40
+
+
+def test_exactly_once_exercises_every_path():
+    totals = Counter()
+    for seed in range(20):
+        s = simulate(seed).stats()
+        totals.update({k: s[k] for k in ("recycled_stale", "duplicates")})
+    assert totals["recycled_stale"] > 0 and totals["duplicates"] > 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n_prompts=st.integers(1, 30),
+       n_workers=st.integers(1, 4), max_batches=st.integers(1, 5), max_lag=st.integers(0, 2))
+def test_exactly_once_property(seed, n_prompts, n_workers, max_batches, max_lag):
+    simulate(seed, n_prompts=n_prompts, n_workers=n_workers, max_batches=max_batches,
+             step_batches=max_batches, max_lag=max_lag)

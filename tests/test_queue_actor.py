@@ -1,0 +1,217 @@
+"""Tests for actors/queue.py: the rollout queue actor and its client helpers, on a real Ray.
+
+Run: `pytest tests/test_queue_actor.py` (one private local Ray cluster for the module, about
+15 s). Hardware: CPU (any; 2 cores is enough).
+
+Covers backpressure (a producer actor blocks on a full queue until the trainer takes),
+get / put timeouts that name the queue, connect_queue failing fast on a wrong name,
+create_queue's get-or-create and its refusal of a conflicting config, batches surviving the
+death of the actor that produced them, and take_prompts waking on add / close.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+ray = pytest.importorskip("ray")
+
+from actors.queue import RolloutQueueActor, connect_queue, create_queue  # noqa: E402
+from minirl.data import Rollout, RolloutBatch  # noqa: E402
+from minirl.hub import PromptItem  # noqa: E402
+
+T = 30  # ray.get timeout for every call in this file
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_local():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=200 * 2**20)
+    yield
+    ray.shutdown()
+
+
+def name() -> str:
+    return f"rq-test-{uuid.uuid4().hex[:8]}"
+
+
+def batch(uid, version=0) -> RolloutBatch:
+    return RolloutBatch([Rollout(prompt_ids=[1, 2], completion_ids=[3], sampling_logprobs=[-0.5],
+                                 reward=1.0, uid=uid, policy_version=version)], uid=uid)
+
+
+def get(ref):
+    return ray.get(ref, timeout=T)
+
+
+@ray.remote(num_cpus=0)
+class Producer:
+    """A generator stand-in: connects by name, leases prompts, puts one batch per call."""
+
+    def __init__(self, queue_name):
+        self.q = connect_queue(queue_name, timeout_s=10)
+
+    def produce(self, k, version=0):
+        items = ray.get(self.q.take_prompts.remote("producer", k, timeout_s=5), timeout=T)
+        for it in items:       # one put per batch: each waits for a free slot
+            ray.get(self.q.put.remote("producer", [batch(it.uid, version)], timeout_s=20),
+                    timeout=T)
+        return [it.uid for it in items]
+
+
+def test_backpressure_blocks_producer_until_consumer_gets():
+    qn = name()
+    q = create_queue(qn, max_batches=2, detached=False)
+    get(q.add_prompts.remote([PromptItem(uid=i, prompt=[i]) for i in range(4)]))
+    p = Producer.remote(qn)
+    done = p.produce.remote(4)
+    deadline = time.monotonic() + T
+    while get(q.stats.remote())["buffered"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ready, _ = ray.wait([done], timeout=1.0)
+    assert not ready, "the producer should be blocked on the full queue"
+    s = get(q.stats.remote())
+    assert s["buffered"] == 2 and s["leased"] == 2 and get(q.space.remote()) == 0
+    assert [b.uid for b in get(q.get.remote(2, timeout_s=10))] == [0, 1]
+    assert [b.uid for b in get(q.get.remote(2, timeout_s=10))] == [2, 3]
+    assert get(done) == [0, 1, 2, 3]
+    ray.kill(p)
+    ray.kill(q)
+
+
+def test_put_timeout_when_full():
+    qn = name()
+    q = create_queue(qn, max_batches=1, detached=False)
+    get(q.add_prompts.remote([PromptItem(uid=i, prompt="x") for i in range(2)]))
+    get(q.take_prompts.remote("w", 2))
+    assert get(q.put.remote("w", [batch(0)], timeout_s=1)) == 1
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"rollout queue {qn} stayed full for 0.5 s"):
+        get(q.put.remote("w", [batch(1)], timeout_s=0.5))
+    assert time.monotonic() - t0 < 10
+    ray.kill(q)
+
+
+def test_get_timeout_names_the_queue():
+    qn = name()
+    q = create_queue(qn, max_batches=4, detached=False)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as ei:
+        get(q.get.remote(3, min_version=2, timeout_s=0.5))
+    msg = str(ei.value)
+    assert qn in msg and "no 3 batches" in msg and ">= 2" in msg and "'buffered': 0" in msg
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(ValueError, match="max_batches=4"):     # can never be satisfied
+        get(q.get.remote(5, timeout_s=0.5))
+    ray.kill(q)
+
+
+def test_get_recycles_stale_and_waits_for_fresh():
+    qn = name()
+    q = create_queue(qn, max_batches=4, detached=False)
+    get(q.add_prompts.remote([PromptItem(uid="a", prompt="x")]))
+    get(q.take_prompts.remote("w", 1))
+    get(q.put.remote("w", [batch("a", version=0)]))
+    waiting = q.get.remote(1, min_version=1, timeout_s=20)     # blocks: the only batch is stale
+    items = get(q.take_prompts.remote("w", 1, timeout_s=10))  # recycled prompt comes back
+    assert [(it.uid, it.attempts) for it in items] == [("a", 1)]
+    get(q.put.remote("w", [batch("a", version=1)]))
+    assert [b.uid for b in get(waiting)] == ["a"]
+    s = get(q.stats.remote())
+    assert s["recycled_stale"] == 1 and s["delivered"] == 1
+    ray.kill(q)
+
+
+def test_connect_queue_wrong_name_fails_fast():
+    t0 = time.monotonic()
+    with pytest.raises(LookupError, match="no rollout queue named nope-.* in namespace minirl: "
+                                          "start the RolloutServer first"):
+        connect_queue(f"nope-{uuid.uuid4().hex[:6]}", timeout_s=1)
+    assert time.monotonic() - t0 < 5
+
+
+def test_create_queue_get_or_create_and_conflicts():
+    qn = name()
+    q1 = create_queue(qn, max_batches=3, model_id="org/a")
+    q2 = create_queue(qn, max_batches=3, model_id="org/a")
+    assert q1._actor_id == q2._actor_id
+    q3 = connect_queue(qn, model_id="org/a")
+    assert q3._actor_id == q1._actor_id
+    with pytest.raises(ValueError, match="max_batches=3, not 5"):
+        create_queue(qn, max_batches=5)
+    with pytest.raises(ValueError, match="serving model org/a, not org/b"):
+        create_queue(qn, max_batches=3, model_id="org/b")
+    with pytest.raises(ValueError, match=f"queue {qn} serves model org/a but this worker was "
+                                         "started with model org/b"):
+        connect_queue(qn, model_id="org/b")
+    with pytest.raises(LookupError):                          # namespaces are separate
+        connect_queue(qn, namespace="other", timeout_s=0.3)
+    ray.kill(q1)
+
+
+def test_batches_survive_producer_death():
+    qn = name()
+    q = create_queue(qn, max_batches=4, detached=False)
+    get(q.add_prompts.remote([PromptItem(uid=i, prompt="x") for i in range(3)]))
+    p = Producer.remote(qn)
+    assert get(p.produce.remote(3, version=7)) == [0, 1, 2]
+    ray.kill(p)
+    with pytest.raises(ray.exceptions.RayActorError):
+        get(p.produce.remote(1))
+    out = get(q.get.remote(3, min_version=7, timeout_s=5))
+    assert [b.uid for b in out] == [0, 1, 2]
+    assert all(isinstance(b, RolloutBatch) and b.policy_version == 7 for b in out)
+    assert out[0].rollouts[0].sampling_logprobs == [-0.5]
+    ray.kill(q)
+
+
+def test_take_prompts_wakes_on_add_and_returns_empty_after_close():
+    qn = name()
+    q = create_queue(qn, max_batches=2, detached=False)
+    assert get(q.take_prompts.remote("w", 2)) == []              # timeout_s=0: poll
+    waiting = q.take_prompts.remote("w", 2, timeout_s=20)
+    time.sleep(0.3)
+    get(q.add_prompts.remote([PromptItem(uid=0, prompt="x")]))
+    assert [it.uid for it in get(waiting)] == [0]
+    get(q.close_prompts.remote())
+    t0 = time.monotonic()
+    assert get(q.take_prompts.remote("v", 2, timeout_s=0.5)) == []   # 0 is leased: not finished
+    assert time.monotonic() - t0 >= 0.4
+    waiting = q.take_prompts.remote("v", 2, timeout_s=20)
+    get(q.put.remote("w", [batch(0)]))
+    get(q.get.remote(1, timeout_s=5))
+    t0 = time.monotonic()
+    assert get(waiting) == []                                      # woken by finished
+    assert get(q.take_prompts.remote("v", 2, timeout_s=20)) == []  # at once
+    assert time.monotonic() - t0 < 5
+    assert get(q.finished.remote())
+    ray.kill(q)
+
+
+def test_workers_versions_and_type_errors():
+    qn = name()
+    q = create_queue(qn, max_batches=2, detached=False)
+    get(q.add_prompts.remote([PromptItem(uid=i, prompt="x") for i in range(3)]))
+    get(q.register_worker.remote("g0"))
+    assert get(q.take_prompts.remote("g0", 2))
+    assert get(q.workers.remote()) == {"g0": None}
+    assert get(q.unregister_worker.remote("g0")) == 2
+    assert get(q.stats.remote())["pending"] == 3
+    ref = ray.put({"w": 1})
+    get(q.set_version.remote(4, [[ref]]))                       # refs wrapped: passed through
+    v, w = get(q.weights.remote())
+    assert v == 4 and get(w[0][0]) == {"w": 1}
+    with pytest.raises(TypeError, match="RolloutBatch"):
+        get(q.put.remote("g0", [{"uid": 0}]))
+    with pytest.raises(TypeError, match="RolloutBatch"):
+        get(q.put_batches.remote("g0", ["nope"]))
+    assert get(q.stats.remote())["buffered"] == 0
+    ray.kill(q)
+
+
+def test_actor_class_is_cpu_free():
+    assert RolloutQueueActor._default_options.get("num_cpus") == 0
