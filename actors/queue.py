@@ -50,6 +50,7 @@ class RolloutQueueActor:
         self.name = name
         self.hub = RolloutHub(max_batches, model_id=model_id, name=name)
         self._cond = asyncio.Condition()
+        self._settings: dict = {}
 
     # -- plumbing --------------------------------------------------------------------------------
 
@@ -99,10 +100,13 @@ class RolloutQueueActor:
                                f"trainer running? (stats: {self.hub.stats()})")
         return out
 
-    async def get(self, n: int, min_version: int = 0, timeout_s: float | None = 300.0) -> list:
+    async def get(self, n: int, min_version: int = 0, timeout_s: float | None = 300.0,
+                  partial_at_end: bool = False) -> list:
         """Wait until n fresh batches (policy_version >= min_version) are buffered; return the
-        oldest n. Stale ones are recycled on the way (see RolloutHub.take_batches)."""
-        out = await self._until(lambda: self.hub.take_batches(n, min_version), timeout_s)
+        oldest n. Stale ones are recycled on the way (see RolloutHub.take_batches). With
+        partial_at_end, the last call returns what remains and later ones [] (the end)."""
+        out = await self._until(lambda: self.hub.take_batches(n, min_version, partial_at_end=partial_at_end),
+                                timeout_s)
         if out is None:
             raise TimeoutError(f"rollout queue {self.name}: no {n} batches with policy_version >= "
                                f"{min_version} within {timeout_s} s (stats: {self.hub.stats()}): "
@@ -168,7 +172,11 @@ class RolloutQueueActor:
 
     async def config(self) -> dict:
         return {"name": self.name, "max_batches": self.hub.max_batches,
-                "model_id": self.hub.model_id}
+                "model_id": self.hub.model_id, **self._settings}
+
+    async def set_config(self, **settings) -> None:
+        """Settings the trainer publishes for the generators (e.g. max_staleness)."""
+        self._settings.update(settings)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minirl.core import get_logprobs
+from minirl.core import clipped_policy_loss, get_logprobs
 from minirl.data import set_rollout_context
 from minirl.distributed import init_distributed
 from minirl.weights import bucket_fingerprint, full_weight_buckets, reshard
@@ -93,6 +93,20 @@ def _check_model_path(model: str) -> str:
                                 f"Hugging Face hub ({type(e).__name__}: {e}); download it first or "
                                 "pass its local path") from e
     return model
+
+
+def model_identity(model: str) -> str:
+    """What two processes compare to check they serve the same model: a hub name as is; for a
+    local directory, a hash of config.json and the weight files' names and sizes (so the same
+    model unpacked in two job working directories matches)."""
+    p = Path(model)
+    if not p.is_dir():
+        return model
+    import hashlib
+    h = hashlib.sha1((p / "config.json").read_bytes())
+    for f in sorted(p.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return f"{p.name}@{h.hexdigest()[:12]}"
 
 
 def _precision(name: str, device: torch.device) -> torch.dtype:
@@ -387,3 +401,56 @@ class _timer:
             torch.cuda.synchronize()
         dt = time.perf_counter() - self.t0
         self.d[self.key] = self.d.get(self.key, 0.0) + dt if self.add else dt
+
+
+class ColocatedVerbs:
+    """Step-by-step verbs over one WeightManager, for a driver that runs the loop from outside
+    (actors/colocated.py exposes them on Ray actors). The loss is the same clipped surrogate as
+    the demo; micro-batches accumulate into one token-mean gradient per forward_backward."""
+
+    def __init__(self, wm: WeightManager, *, reward_fn=None, clip_low: float = 0.2,
+                 clip_high: float = 0.28, micro_batch: int = 64):
+        self.wm, self.reward_fn = wm, reward_fn
+        self.clip = {"clip_low": clip_low, "clip_high": clip_high}
+        self.micro_batch = micro_batch
+
+    def generate(self, prompts: list, sampling: dict, group_size: int, *, metadata=None, uids=None,
+                 reward_fn=None) -> list:
+        """Generate group_size completions per prompt with the latest weights; RolloutBatches
+        with advantages, on CPU (ready to travel)."""
+        from vllm import SamplingParams
+        from minirl.data import parse_vllm_outputs
+        fn = reward_fn or self.reward_fn
+        if fn is None:
+            raise ValueError("no reward_fn: pass one to generate() or to ColocatedVerbs")
+        llm = self.wm.as_vllm()
+        sp = SamplingParams(**{"temperature": 1.0, "logprobs": 0, **sampling, "n": group_size})
+        outputs = llm.generate(prompts, sp, use_tqdm=False)
+        batches = parse_vllm_outputs(outputs, group_size, fn, metadata=metadata, uids=uids, device="cpu")
+        return [b.compute_advantages() for b in batches]
+
+    def forward_backward(self, rollouts: list) -> dict:
+        """Accumulate the gradient of the token-mean clipped loss over `rollouts`."""
+        from minirl.data import collate
+        model, _ = self.wm.as_trainable()
+        total = sum(sum(r.loss_mask) if r.loss_mask else len(r.completion_ids) for r in rollouts)
+        loss_sum = 0.0
+        for i in range(0, len(rollouts), self.micro_batch):
+            batch = collate([r.to(self.wm.device) for r in rollouts[i:i + self.micro_batch]])
+            out = model(batch.input_ids, attention_mask=batch.attention_mask)
+            lp = get_logprobs(out.logits, batch.input_ids)
+            loss = clipped_policy_loss(lp, batch.old_logprobs, batch.advantages, mask=batch.loss_mask,
+                                       **self.clip) * (batch.num_tokens / max(total, 1))
+            loss.backward()
+            loss_sum += loss.item()
+        return {"loss": loss_sum, "tokens": total}
+
+    def optim_step(self) -> dict:
+        _, optimizer = self.wm.as_trainable()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return {"policy_version_next": self.wm.policy_version + 1}
+
+    def sync_weights(self) -> dict:
+        self.wm.as_vllm()
+        return {"policy_version": self.wm.policy_version, **self.wm.timings}

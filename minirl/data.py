@@ -103,6 +103,12 @@ class Rollout:
         m = self.loss_mask if self.loss_mask is not None else [1] * len(self.completion_ids)
         return torch.tensor([m], dtype=torch.float32, device=self.device)
 
+    def as_padding(self) -> "Rollout":
+        """A copy that counts for nothing (loss_mask all 0): lets every data-parallel rank run
+        the same number of forward/backward passes when the data does not split evenly."""
+        from dataclasses import replace
+        return replace(self, loss_mask=[0] * len(self.completion_ids), info={**self.info, "padding": True})
+
     def to(self, device) -> "Rollout":
         """Set the device its tensors are built on; returns self."""
         self.device = str(device)

@@ -138,7 +138,8 @@ class RolloutHub:
                                 f"{type(b).__module__}.{type(b).__name__}: wrap the G rollouts of "
                                 "one prompt as RolloutBatch(rollouts, uid=prompt_item.uid)")
             if b.uid is None:
-                raise ValueError("RolloutBatch.uid is None: set it to the PromptItem.uid it answers")
+                raise ValueError("RolloutBatch.uid is None: set it to the uid of the PromptItem "
+                                 "it answers")
             if len(b) == 0:
                 raise ValueError(f"RolloutBatch for uid {b.uid!r} has no rollouts")
         accepted = 0
@@ -152,8 +153,12 @@ class RolloutHub:
             accepted += 1
         return accepted
 
-    def take_batches(self, n: int, min_version: int = 0) -> list[RolloutBatch] | None:
+    def take_batches(self, n: int, min_version: int = 0, *, partial_at_end: bool = False
+                     ) -> list[RolloutBatch] | None:
         """The oldest n buffered batches, or None (taking nothing) if fewer than n are buffered.
+
+        partial_at_end=True: once prompts are closed and none is pending or leased (no more
+        batches can come), return whatever fresh batches remain, possibly [] (the end).
 
         First every buffered batch with policy_version < min_version is dropped and its prompt
         goes back to the front of the pending queue with attempts+1 (stats: recycled_stale).
@@ -169,7 +174,9 @@ class RolloutHub:
         self._requeue_front(stale)
         self._recycled_stale += len(stale)
         if len(self._buffer) < n:
-            return None
+            if not (partial_at_end and self._closed and not self._pending and not self._leases):
+                return None
+            n = len(self._buffer)
         out = [self._buffer.popitem(last=False)[1] for _ in range(n)]
         for b in out:
             del self._items[b.uid]

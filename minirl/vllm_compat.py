@@ -53,19 +53,21 @@ class ManagedLLM(LLM):
         return super().chat(*args, **kwargs)
 
 
-def engine_kwargs(user: dict, *, sleep: bool, seed: int) -> dict:
+def engine_kwargs(user: dict, *, sleep: bool, seed: int, colocated: bool = True) -> dict:
     """Defaults for an in-process engine, with the user's LLM kwargs applied on top.
 
-    Forced (a user value that contradicts them is an error): the external_launcher executor
-    (one engine per training rank, in this process). Defaulted: processed log-probs (so
-    sampling log-probs include temperature, as get_logprobs(..., temperature=T) does), sleep
-    mode on CUDA, a small KV cache on CPU, and the rank's seed.
+    Co-located engines must use the external_launcher executor (one engine per training rank,
+    sharing the rank's process group); a user value that contradicts it is an error. Defaulted:
+    processed log-probs (so sampling log-probs include temperature, as
+    get_logprobs(..., temperature=T) does), sleep mode on CUDA when asked, a small KV cache on
+    CPU, and the seed.
     """
     kw = dict(user)
-    backend = kw.setdefault("distributed_executor_backend", "external_launcher")
-    if backend != "external_launcher":
-        raise ValueError(f"distributed_executor_backend={backend!r}: minirl runs one in-process engine "
-                         "per training rank and needs 'external_launcher'; drop the argument")
+    if colocated:
+        backend = kw.setdefault("distributed_executor_backend", "external_launcher")
+        if backend != "external_launcher":
+            raise ValueError(f"distributed_executor_backend={backend!r}: minirl runs one in-process "
+                             "engine per training rank and needs 'external_launcher'; drop the argument")
     kw.setdefault("logprobs_mode", "processed_logprobs")
     kw.setdefault("seed", seed)
     if ON_CPU:
@@ -74,8 +76,8 @@ def engine_kwargs(user: dict, *, sleep: bool, seed: int) -> dict:
                              "both stay resident there); drop the argument")
         if "kv_cache_memory_bytes" not in kw and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             kw["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_BYTES
-    else:
-        kw.setdefault("enable_sleep_mode", sleep)
+    elif sleep:
+        kw.setdefault("enable_sleep_mode", True)
     return kw
 
 

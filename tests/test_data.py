@@ -21,7 +21,7 @@ FP32_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def outputs(wm):
+def outputs(wm, hf_model):
     task = get_task("succ")
     prompts, answers = task.sample(6, seed=1)
     llm = wm.as_vllm()
@@ -31,9 +31,16 @@ def outputs(wm):
 
 
 @pytest.fixture(scope="module")
-def hf_model(tiny_model):
+def hf_model(tiny_model, wm):
+    """A plain HF model (no FSDP) holding exactly the weights the engine generated with."""
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    from minirl.weights import full_weight_buckets
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    wm.as_vllm()                         # engine == trainer (syncs if an earlier test trained)
+    state = {n: t.clone() for bucket in full_weight_buckets(wm.model) for n, t in bucket}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}       # tied to the embedding
+    return model
 
 
 def test_parse_real_outputs(outputs, wm):

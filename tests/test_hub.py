@@ -223,7 +223,8 @@ def simulate(seed: int, n_prompts: int = 40, n_workers: int = 3, max_batches: in
                 hub.close_prompts()
         elif r < 0.35:                                         # a worker leases prompts
             lag = rng.choice([0, 0, 0, 1, 2])                  # sometimes an old engine
-            inflight[w] += [(x.uid, max(0, version - lag)) for x in hub.take_prompts(w, rng.randint(1, 4))]
+            leased = hub.take_prompts(w, rng.randint(1, 4))
+            inflight[w] += [(x.uid, max(0, version - lag)) for x in leased]
         elif r < 0.6 and inflight[w]:                          # a worker finishes some
             done = [inflight[w].pop(rng.randrange(len(inflight[w])))
                     for _ in range(rng.randint(1, len(inflight[w])))]

@@ -12,6 +12,7 @@ death of the actor that produced them, and take_prompts waking on add / close.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
 
@@ -24,7 +25,11 @@ from actors.queue import RolloutQueueActor, connect_queue, create_queue  # noqa:
 from minirl.data import Rollout, RolloutBatch  # noqa: E402
 from minirl.hub import PromptItem  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts a Ray cluster
 T = 30  # ray.get timeout for every call in this file
+
+# tests/ is not importable in Ray workers: ship this module's actors and helpers by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @pytest.fixture(scope="module", autouse=True)

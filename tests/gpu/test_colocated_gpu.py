@@ -1,0 +1,214 @@
+"""WeightManager on a real GPU: vLLM sleeps while FSDP2 trains, wakes, and receives the weights.
+
+Needs one CUDA GPU (vLLM >= 0.22 with its CUDA torch); skipped without one. Run on the GPU
+machine, in its own pytest process (one sleep-enabled vLLM engine per process):
+
+    python -m pytest tests/gpu -q                                   # tiny model, ~1 min
+    MINIRL_GPU_SHAPE=qwen3-0.6b python -m pytest tests/gpu -q       # random Qwen3-0.6B shape
+    MINIRL_RESULTS_DIR=$OUT python -m pytest tests/gpu -q           # also write what was seen
+
+Environment:
+  MINIRL_GPU_SHAPE     tiny (default), qwen3-0.6b or qwen3-4b (random weights of that shape,
+                       built on the GPU into a temporary directory)
+  MINIRL_GPU_UTIL      vLLM gpu_memory_utilization (default 0.3)
+  MINIRL_GPU_LR        learning rate (default 1e-3 for tiny, 1e-4 otherwise)
+  MINIRL_RESULTS_DIR   if set, each test writes <test name>.json of what it observed there
+
+The tests share one WeightManager (the module fixture `gpu_wm`) and run in file order. The
+fixtures live here, not in a tests/gpu/conftest.py: a second conftest module would shadow
+tests/conftest.py for `from conftest import ...`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+CUDA = torch.cuda.is_available()
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run tests/gpu on the GPU machine)")]
+
+
+def gpu_shape() -> str:
+    return os.environ.get("MINIRL_GPU_SHAPE", "tiny")
+
+
+@pytest.fixture(scope="module")
+def gpu_model(tmp_path_factory) -> str:
+    from minirl.tiny import build_random_model, build_tiny_model
+    path = tmp_path_factory.mktemp("gpu_model") / "model"
+    shape = gpu_shape()
+    if shape == "tiny":
+        return str(build_tiny_model(path))
+    build_random_model(path, shape, dtype="bfloat16", device="cuda")
+    torch.cuda.empty_cache()      # give the init's memory back before the engine measures
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def gpu_wm(gpu_model):
+    """One WeightManager on cuda:0 (bf16 engine in sleep mode, FSDP2 trainer with fp32 master
+    weights) for every test here: vLLM allows one sleep-enabled engine per process."""
+    from minirl.colocated import WeightManager
+    lr = float(os.environ.get("MINIRL_GPU_LR", 1e-3 if gpu_shape() == "tiny" else 1e-4))
+    wm = WeightManager(gpu_model, lr=lr, enforce_eager=True, max_model_len=256,
+                       gpu_memory_utilization=float(os.environ.get("MINIRL_GPU_UTIL", 0.3)))
+    yield wm
+    wm.close()
+
+
+@pytest.fixture
+def record(request):
+    """record(dict): write {test, shape, device, versions, **dict} as JSON to
+    $MINIRL_RESULTS_DIR/<test name>.json (nothing when the variable is unset)."""
+    def write(data: dict) -> None:
+        out = os.environ.get("MINIRL_RESULTS_DIR")
+        if not out:
+            return
+        import vllm
+        doc = {"test": request.node.name, "shape": gpu_shape(), "device": torch.cuda.get_device_name(0),
+               "versions": {"torch": torch.__version__, "vllm": vllm.__version__,
+                            "python": platform.python_version()}, **data}
+        Path(out).mkdir(parents=True, exist_ok=True)
+        name = "".join(c if c.isalnum() or c in "-_" else "_" for c in request.node.name)
+        (Path(out) / f"{name}.json").write_text(json.dumps(doc, indent=1, default=str))
+    return write
+
+SWITCH_PARTS = {"sleep_s", "wake_weights_s", "gather_s", "load_s", "wake_kv_s", "verify_s"}
+
+
+def probe_tolerance(wm) -> float:
+    tol = wm.config.probe_tolerance
+    if tol is None:
+        tol = 2e-3 if wm.engine_dtype == torch.float32 else 0.05
+    return tol
+
+
+def gpu_memory() -> dict:
+    free, total = torch.cuda.mem_get_info()
+    g = 1 << 30
+    return {"free_gib": round(free / g, 2), "total_gib": round(total / g, 2),
+            "torch_allocated_gib": round(torch.cuda.memory_allocated() / g, 2),
+            "torch_reserved_gib": round(torch.cuda.memory_reserved() / g, 2)}
+
+
+def varied_reward(prompt: str, completion: str) -> float:
+    """A deterministic reward in [0, 1) that differs between completions (any model, any
+    vocabulary), so every group has non-zero advantages and the weights really move."""
+    return (zlib.crc32(completion.encode()) % 1000) / 1000
+
+
+def test_colocated_loop_sleeps_trains_and_syncs(gpu_wm, record):
+    """Three steps of as_vllm -> generate (n=4) -> parse -> as_trainable -> micro-batched step."""
+    from vllm import SamplingParams
+
+    from minirl import clipped_policy_loss, collate, get_logprobs, parse_vllm_outputs
+    from minirl.tasks import get_task
+    from minirl.vllm_compat import fingerprint, is_sleeping
+
+    wm, tol, group, micro = gpu_wm, probe_tolerance(gpu_wm), 4, 16
+    assert wm.device.type == "cuda" and wm.engine_dtype == torch.bfloat16
+    task = get_task("succ")
+    sampling = SamplingParams(n=group, temperature=1.0, max_tokens=8, logprobs=0)
+    steps = []
+    llm = wm.as_vllm()
+    assert not is_sleeping(llm)
+    for step in range(3):
+        version = wm.policy_version
+        prompts, _ = task.sample(16, seed=step)
+        outputs = llm.generate(prompts, sampling, use_tqdm=False)
+        batches = parse_vllm_outputs(outputs, group, varied_reward)
+        for b in batches:
+            b.compute_advantages()
+        rollouts = [r for b in batches for r in b]
+        assert len(rollouts) == 16 * group
+        assert all(r.policy_version == version for r in rollouts)
+        rewards = torch.tensor([r.reward for r in rollouts])
+        assert torch.isfinite(rewards).all() and rewards.std() > 0
+        engine_fp = fingerprint(llm)
+
+        model, optimizer = wm.as_trainable()
+        assert is_sleeping(wm.llm), "vLLM must sleep while the trainer runs"
+        optimizer.zero_grad()
+        losses = []
+        for i in range(0, len(rollouts), micro):
+            chunk = rollouts[i:i + micro]
+            batch = collate(chunk)
+            assert batch.input_ids.device.type == "cuda"
+            out = model(batch.input_ids, attention_mask=batch.attention_mask)
+            lp = get_logprobs(out.logits, batch.input_ids)
+            loss = clipped_policy_loss(lp, batch.old_logprobs, batch.advantages,
+                                       mask=batch.loss_mask) * (len(chunk) / len(rollouts))
+            loss.backward()
+            losses.append(loss.item())
+        optimizer.step()
+        assert all(torch.isfinite(torch.tensor(losses)))
+        memory_training = gpu_memory()
+
+        llm = wm.as_vllm()
+        assert not is_sleeping(llm), "as_vllm() must wake weights and KV cache"
+        assert wm.policy_version == version + 1
+        assert wm.last_probe_gap is not None and wm.last_probe_gap < tol, wm.timings
+        assert {"wake_weights_s", "load_s", "wake_kv_s"} <= set(wm.timings), wm.timings
+        assert fingerprint(llm) != engine_fp, "the trained weights did not reach the engine"
+        steps.append({"step": step, "policy_version": wm.policy_version,
+                      "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+                      "loss": sum(losses), "probe_gap": wm.last_probe_gap, "timings": dict(wm.timings),
+                      "memory_training": memory_training, "memory_generating": gpu_memory()})
+    # The engine generates from the synced weights after the last switch too.
+    out = llm.generate(["7+1="], SamplingParams(max_tokens=4, logprobs=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) >= 1
+    record({"probe_tolerance": tol, "steps": steps})
+
+
+class _NoisyUpdate:
+    """vllm_compat.weight_update that loads every weight with noise added (a broken sync)."""
+
+    def __init__(self, real):
+        self.real = real
+
+    @contextlib.contextmanager
+    def __call__(self, llm):
+        with self.real(llm) as load:
+            def noisy(bucket):
+                load([(n, t + 0.05 * torch.randn_like(t)) for n, t in bucket])
+            noisy.loaded = load.loaded        # the same set the real loader fills
+            yield noisy
+
+
+def test_sabotaged_sync_raises_then_recovers(gpu_wm, monkeypatch, record):
+    from minirl.colocated import SyncError
+    from minirl.core import get_logprobs
+    from minirl.vllm_compat import is_sleeping
+
+    wm, tol = gpu_wm, probe_tolerance(gpu_wm)
+    wm.as_vllm()
+    model, optimizer = wm.as_trainable()
+    assert is_sleeping(wm.llm)
+    ids = torch.randint(2, 60, (2, 32), device=wm.device)
+    loss = -get_logprobs(model(ids).logits, ids).mean()
+    optimizer.zero_grad(); loss.backward(); optimizer.step()
+
+    monkeypatch.setattr(wm._vc, "weight_update", _NoisyUpdate(wm._vc.weight_update))
+    with pytest.raises(SyncError, match="probe differ"):
+        wm.as_vllm()
+    bad_gap = wm.last_probe_gap
+    assert bad_gap > tol
+    monkeypatch.undo()
+
+    wm.mark_dirty()                        # repair: a clean sync puts the true weights back
+    wm.as_trainable()
+    assert is_sleeping(wm.llm)
+    wm.as_vllm()
+    assert not is_sleeping(wm.llm)
+    assert wm.last_probe_gap < tol
+    record({"probe_tolerance": tol, "sabotaged_probe_gap": bad_gap,
+            "repaired_probe_gap": wm.last_probe_gap, "repaired_timings": dict(wm.timings)})
