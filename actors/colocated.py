@@ -22,27 +22,10 @@ from actors import placement
 
 
 @ray.remote(max_restarts=0)
-class ColocatedWorker:
-    """One rank: env wiring for torch.distributed / vLLM's external launcher, then either an
-    SPMD function or the verbs of minirl.colocated.ColocatedVerbs."""
+class ColocatedWorker(placement.RankActor):
+    """One rank: an SPMD function, or the verbs of minirl.colocated.ColocatedVerbs."""
 
-    def __init__(self, rank: int, world_size: int):
-        self.rank, self.world_size = rank, world_size
-        self.verbs = None
-
-    def address(self) -> tuple[str, int]:
-        from minirl.distributed import free_port
-        ip = ray.util.get_node_ip_address()
-        return ip, free_port(ip)
-
-    def configure(self, master_addr: str, master_port: int) -> None:
-        # One GPU (or none) is visible per actor, so the local rank is always 0.
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
-                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
-                          VLLM_ENABLE_V1_MULTIPROCESSING="0")
-
-    def run(self, fn, *args):
-        return fn(*args)
+    verbs = None
 
     def setup(self, model: str, lr: float, config, llm_kwargs: dict, verbs_kwargs: dict) -> dict:
         from minirl.colocated import ColocatedVerbs, WeightManager
@@ -75,18 +58,8 @@ def _get(refs, timeout_s, what):
 
 
 def start_workers(num_workers: int, *, bundle: dict | None = None, timeout_s: float = 600.0):
-    """Place N workers, one per bundle of one placement group, and wire their world."""
-    if not ray.is_initialized():
-        ray.init()
-    bundle = bundle or placement.default_bundle()
-    pg = placement.create([dict(bundle)] * num_workers, strategy="PACK")
-    placement.wait_ready(pg, timeout_s, f"{num_workers} co-located workers")
-    workers = [ColocatedWorker.options(**placement.on_bundle(
-        pg, i, num_cpus=bundle.get("CPU", 1), num_gpus=bundle.get("GPU", 0))).remote(i, num_workers)
-        for i in range(num_workers)]
-    addr, port = _get(workers[0].address.remote(), timeout_s, "rank 0 address")
-    _get([w.configure.remote(addr, port) for w in workers], timeout_s, "configure")
-    return pg, workers
+    """Place N co-located workers, one per bundle of one placement group, wired into one world."""
+    return placement.start_ranks(ColocatedWorker, num_workers, bundle=bundle, timeout_s=timeout_s)
 
 
 def run_spmd(fn, *args, num_workers: int, bundle: dict | None = None, timeout_s: float | None = None):

@@ -5,13 +5,16 @@
 
 The actor restarts after a crash (max_restarts=-1); its __init__ re-registers with the hub and
 loads the trainer's latest weights from the object store before it generates again. Weights
-arrive by `load_from_store` (object store) or `recv_broadcast` (collective group), always
-between two `work` calls (the actor runs one call at a time). Hardware: one GPU or CPU cores.
+arrive by `load_from_store` (object store) or `recv_broadcast` (collective group). They may
+come while `work` waits on a full queue (backpressure) - the trainer must not wait on a
+generator that waits on the trainer - so calls run on a few threads and a lock keeps every
+weight load out of the engine's generate. Hardware: one GPU or CPU cores.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import ray
@@ -19,13 +22,14 @@ import ray
 from actors.queue import connect_queue
 
 
-@ray.remote(max_restarts=-1, max_task_retries=0)
+@ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=4)
 class GenerationActor:
     def __init__(self, model: str, worker_id: str, queue_name: str, namespace: str,
                  gen_kwargs: dict, call_timeout_s: float = 600.0):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from minirl.generator import Generator
         self.worker_id, self.timeout = worker_id, call_timeout_s
+        self._engine = threading.Lock()          # generate and weight loads never overlap
         self.hub = connect_queue(queue_name, namespace=namespace)
         from minirl.colocated import model_identity
         self._get(self.hub.check_model.remote(model_identity(model)))
@@ -64,7 +68,8 @@ class GenerationActor:
         if not items:
             return {"prompts": 0, "stale": False, "version": self.gen.version}
         t0 = time.perf_counter()
-        batches = self.gen.generate(items)
+        with self._engine:
+            batches = self.gen.generate(items)   # stamped with the version the engine holds
         t1 = time.perf_counter()
         self._get(self.hub.put.remote(self.worker_id, batches, self.timeout))
         tokens = sum(len(r.completion_ids) for b in batches for r in b)
@@ -78,7 +83,10 @@ class GenerationActor:
         from minirl.transport import unpack_bucket
         t0 = time.perf_counter()
         buckets = (unpack_bucket(ray.get(ref, timeout=self.timeout), self.gen.device) for ref in refs)
-        out = self.gen.load_weights(version, buckets)
+        with self._engine:
+            if version <= self.gen.version:      # a bootstrap raced a push: already current
+                return {"load_s": 0.0, "total_s": 0.0, "version": self.gen.version}
+            out = self.gen.load_weights(version, buckets)
         return {**out, "total_s": time.perf_counter() - t0, "version": version}
 
     def join_group(self, host: str, port: int, rank: int, world_size: int, prefix: str,
@@ -95,7 +103,8 @@ class GenerationActor:
         if self.group is None:
             raise RuntimeError(f"generator {self.worker_id} is in no broadcast group")
         t0 = time.perf_counter()
-        out = self.gen.load_weights(version, (self.group.recv(m) for m in metas))
+        with self._engine:
+            out = self.gen.load_weights(version, (self.group.recv(m) for m in metas))
         return {**out, "total_s": time.perf_counter() - t0, "version": version}
 
     # -- introspection ------------------------------------------------------------------------

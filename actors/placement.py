@@ -54,3 +54,44 @@ def on_bundle(pg, index: int, **options) -> dict:
 
 def remove(pg) -> None:
     remove_placement_group(pg)
+
+
+class RankActor:
+    """Base for actors that form one torch.distributed world (co-located workers, trainers):
+    rank 0 names an address, every rank gets RANK / WORLD_SIZE / MASTER_* before it builds its
+    process group. One GPU (or none) is visible per actor, so LOCAL_RANK is 0."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+
+    def address(self) -> tuple[str, int]:
+        from minirl.distributed import free_port
+        ip = ray.util.get_node_ip_address()
+        return ip, free_port(ip)
+
+    def configure(self, master_addr: str, master_port: int) -> None:
+        import os
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+                          VLLM_ENABLE_V1_MULTIPROCESSING="0")
+
+    def run(self, fn, *args):
+        """Run fn(*args) here (SPMD: every rank at once)."""
+        return fn(*args)
+
+
+def start_ranks(actor_cls, num: int, *, bundle: dict | None = None, timeout_s: float = 600.0,
+                args: tuple = ()):
+    """One placement group of `num` bundles, one actor_cls(rank, num, *args) per bundle, wired
+    into one world. Returns (pg, actors)."""
+    if not ray.is_initialized():
+        ray.init()
+    bundle = bundle or default_bundle()
+    pg = create([dict(bundle)] * num, strategy="PACK")
+    wait_ready(pg, timeout_s, f"{num} training or co-located ranks")
+    actors = [actor_cls.options(**on_bundle(pg, i, num_cpus=bundle.get("CPU", 1),
+                                            num_gpus=bundle.get("GPU", 0))).remote(i, num, *args)
+              for i in range(num)]
+    addr, port = ray.get(actors[0].address.remote(), timeout=timeout_s)
+    ray.get([a.configure.remote(addr, port) for a in actors], timeout=timeout_s)
+    return pg, actors

@@ -21,7 +21,8 @@ engine per process):
     python launch/bench_switch.py                                   # qwen3-0.6b and qwen3-4b
     python launch/bench_switch.py --shapes qwen3-0.6b --reps 3 --no-eager
     python launch/bench_switch.py --shapes tiny --prompts 16 --new-tokens 16 --reps 2 \\
-        --out /tmp/bench_cpu.json                                   # CPU smoke test (~2 min)
+        --out /tmp/bench_cpu.json                                   # CPU smoke test (~1 min)
+    python launch/bench_switch.py --out $OUT/switch_h200.json      # on the GPU machine
 
 Writes --out (default benchmarks/results/switch_<device>.json: one record per shape with raw,
 minirl, ratio, settings, device and versions; rewritten after every part, so a run cut short
@@ -35,6 +36,7 @@ graphs, --no-eager, add ~100 s of start-up per engine). Also runs on CPU (vllm-c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -143,11 +145,15 @@ def greedy(llm, prompts: list[list[int]], n: int = 16) -> list[list[int]]:
 def versions() -> dict:
     import torch
     v = {"python": platform.python_version(), "torch": torch.__version__}
+    from importlib import metadata
     for mod in ("vllm", "transformers"):
         try:
-            v[mod] = __import__(mod).__version__
-        except Exception as e:  # pragma: no cover - reported, not fatal
-            v[mod] = f"unavailable ({type(e).__name__})"
+            v[mod] = metadata.version(mod)   # without importing vLLM (seconds)
+        except Exception:
+            try:
+                v[mod] = __import__(mod).__version__
+            except Exception as e:  # pragma: no cover - reported, not fatal
+                v[mod] = f"unavailable ({type(e).__name__})"
     return v
 
 
@@ -168,7 +174,7 @@ def device_name() -> str:
 
 # ---- worker: build the models ------------------------------------------------------------------
 
-def worker_build(spec: dict) -> dict:
+def worker_build(spec: dict, res: dict, save) -> None:
     """Build every missing model (on the GPU when there is one); report device and versions."""
     import torch
     from minirl.tiny import build_random_model
@@ -194,7 +200,7 @@ def worker_build(spec: dict) -> dict:
         cfg = json.loads((Path(b["path"]) / "config.json").read_text())
         b.update(vocab_size=cfg["vocab_size"], max_position_embeddings=cfg["max_position_embeddings"],
                  num_params=_num_params(cfg))
-    return {"device": device_name(), "versions": versions(), "models": built}
+    res.update(device=device_name(), versions=versions(), models=built)
 
 
 def _num_params(cfg: dict) -> int:
@@ -237,13 +243,13 @@ def _state_dict_buckets(path: str, dtype, device, bucket_bytes: int = 512 << 20)
     return buckets
 
 
-def worker_raw(spec: dict) -> dict:
+def worker_raw(spec: dict, res: dict, save) -> None:
     import torch
     from minirl import vllm_compat as vc          # sets VLLM_ENABLE_V1_MULTIPROCESSING=0
     from vllm import LLM
 
     cuda = torch.cuda.is_available()
-    res: dict = {"engine_dtype": spec["engine_dtype"]}
+    res["engine_dtype"] = spec["engine_dtype"]
     kw = dict(model=spec["path"], seed=0, max_model_len=spec["max_model_len"],
               enforce_eager=spec["enforce_eager"], dtype=spec["engine_dtype"])
     if cuda:
@@ -260,6 +266,7 @@ def worker_raw(spec: dict) -> dict:
     prompts = make_prompts(spec["prompts"], spec["vocab_size"])
     res["generate"] = generate_throughput(llm, prompts, spec["new_tokens"])
     log(f"raw: {res['generate']['tok_s']:.0f} output tok/s")
+    save()
     ref = greedy(llm, prompts[:4])
 
     device = torch.device("cuda" if cuda else "cpu")
@@ -293,6 +300,7 @@ def worker_raw(spec: dict) -> dict:
         log(f"raw: cycle {i + 1}/{spec['reps']}: " + _fmt(r, RAW_PARTS))
     res["cycle_level2"] = {"median": median_parts(reps, RAW_PARTS), "reps": reps}
     res["greedy_unchanged_after_reload"] = greedy(llm, prompts[:4]) == ref
+    save()
 
     if cuda:
         r = {}
@@ -314,12 +322,11 @@ def worker_raw(spec: dict) -> dict:
     res["memory_end"] = memory()
     del buckets
     vc.shutdown(llm)
-    return res
 
 
 # ---- worker: minirl ----------------------------------------------------------------------------
 
-def worker_minirl(spec: dict) -> dict:
+def worker_minirl(spec: dict, res: dict, save) -> None:
     import torch
     from minirl.colocated import WeightManager, WeightManagerConfig
     from minirl.core import get_logprobs
@@ -329,7 +336,7 @@ def worker_minirl(spec: dict) -> dict:
     kw = dict(max_model_len=spec["max_model_len"], enforce_eager=spec["enforce_eager"])
     if cuda:
         kw["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
-    res: dict = {"llm_kwargs": kw, "passes": {}}
+    res.update(llm_kwargs=kw, passes={})
     t = {}
     with Clock(t, "startup_s"):
         wm = WeightManager(spec["path"], lr=1e-6,
@@ -338,10 +345,11 @@ def worker_minirl(spec: dict) -> dict:
     res["engine_dtype"] = str(wm.engine_dtype).removeprefix("torch.")
     res["memory_start"] = memory()
     log(f"minirl: WeightManager up in {t['startup_s']:.1f} s (engine {res['engine_dtype']})")
+    save()
 
     g = torch.Generator().manual_seed(0)
     B, S, V = spec["train_batch"], spec["train_seq"], spec["vocab_size"]
-    try:
+    try:   # on an error: record the memory, let worker_main report it (no close: it may hang)
         for verify in passes:
             # Same engine, the other setting (WeightManager reads config at every switch; "on"
             # runs first, so the fingerprints it needs were taken at start-up).
@@ -373,6 +381,7 @@ def worker_minirl(spec: dict) -> dict:
                 reps.append(r)
                 log(f"minirl verify {verify}: step {i + 1}/{spec['reps']}: " + _fmt(r, MINIRL_PARTS))
             res["passes"][verify]["median"] = median_parts(reps, MINIRL_PARTS)
+            save()
 
         llm = wm.as_vllm()
         prompts = make_prompts(spec["prompts"], V)
@@ -381,8 +390,8 @@ def worker_minirl(spec: dict) -> dict:
         log(f"minirl: {res['generate']['tok_s']:.0f} output tok/s")
     finally:
         res["memory_end"] = memory()
-        wm.close()
-    return res
+        save()
+    wm.close()
 
 
 def _fmt(r: dict, keys: list[str]) -> str:
@@ -392,8 +401,8 @@ def _fmt(r: dict, keys: list[str]) -> str:
 # ---- the parent: run workers, collect, write ---------------------------------------------------
 
 def run_worker(kind: str, spec: dict, timeout: float) -> tuple[dict | None, str | None]:
-    """Run one worker in a fresh process (own session, killed as a group on timeout).
-    Returns (result, error)."""
+    """Run one worker in a fresh process (killed with everything it started on timeout, and
+    by the kernel if this process dies). Returns (result or partial result, error)."""
     with tempfile.TemporaryDirectory(prefix="bench_switch_") as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
@@ -406,38 +415,69 @@ def run_worker(kind: str, spec: dict, timeout: float) -> tuple[dict | None, str 
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind,
                "--spec", str(spec_path), "--result", str(result_path)]
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, preexec_fn=_die_with_parent)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return None, f"{kind} worker timed out after {timeout:.0f} s"
+            _kill_tree(proc)
+            rc = None
         finally:
             if proc.poll() is None:  # interrupted: do not leave a GPU process behind
-                os.killpg(proc.pid, signal.SIGKILL)
+                _kill_tree(proc)
         wall = time.perf_counter() - t0
         result = json.loads(result_path.read_text()) if result_path.exists() else None
         if result is not None:
             result["process_wall_s"] = wall
+        if rc is None:
+            return result, f"{kind} worker timed out after {timeout:.0f} s (partial results kept)"
         if rc != 0 or result is None or "error" in (result or {}):
             err = (result or {}).get("error") or f"{kind} worker exited with code {rc}"
             return result, err
         return result, None
 
 
+def _die_with_parent() -> None:
+    """In the worker, before exec: get SIGKILL if the parent dies (Linux), so a benchmark killed
+    from outside leaves no process holding the GPU."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a worker and every process it started."""
+    try:
+        import psutil
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+    except Exception:
+        pass
+    proc.kill()
+    proc.wait()
+
+
 def worker_main(kind: str, spec_path: str, result_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     fn = {"build": worker_build, "raw": worker_raw, "minirl": worker_minirl}[kind]
+    res: dict = {}
+
+    def save():   # after each phase: a worker killed later still reports what it measured
+        tmp = Path(result_path + ".tmp")
+        tmp.write_text(json.dumps(res, default=str))
+        tmp.replace(result_path)
+
     try:
-        res = fn(spec)
+        fn(spec, res, save)
         rc = 0
     except BaseException as e:  # report, then fail
         import traceback
         traceback.print_exc()
-        res = {"error": f"{type(e).__name__}: {e}"[:2000], "memory_at_error": _safe_memory()}
+        res.update(error=f"{type(e).__name__}: {e}"[:2000], memory_at_error=_safe_memory())
         rc = 1
-    Path(result_path).write_text(json.dumps(res, default=str))
+    save()
     sys.stdout.flush()
     sys.stderr.flush()
     # vLLM / torch.distributed teardown can hang in a benchmark process: the results are written.
@@ -479,7 +519,9 @@ def markdown(doc: dict) -> str:
              f"max_model_len={s['max_model_len']}, {s['reps']} reps (medians), generation: "
              f"{s['prompts']} prompts x {PROMPT_LEN} tokens -> {s['new_tokens']} new tokens, "
              f"temperature 1, logprobs=0; minirl train step: {s['train_batch']} x {s['train_seq']} "
-             "random tokens (excluded from the switch time).", "",
+             "random tokens (excluded from the switch time). Both engines run in process "
+             "(VLLM_ENABLE_V1_MULTIPROCESSING=0); minirl's also uses the external_launcher executor "
+             "and logprobs_mode=processed_logprobs (raw: vLLM's defaults).", "",
              "## Generation (output tokens/s)", "",
              "| shape | raw vLLM | minirl (wm.as_vllm()) | minirl / raw |", "|---|---:|---:|---:|"]
     for rec in doc["results"]:
@@ -510,7 +552,7 @@ def markdown(doc: dict) -> str:
                 continue
             lines.append(f"| {rec['shape']} | minirl, verify {verify} | {_n(m['sleep_s'])} | "
                          f"{_n(m['wake_weights_s'])} | {_n(m['gather_s'])} | {_n(m['load_s'])} | "
-                         f"{_n(m['wake_kv_s'])} | {_n(m['verify_s'])} | {_n(m['probe_gap'], '{:.4f}')} | "
+                         f"{_n(m['wake_kv_s'])} | {_n(m['verify_s'])} | {_n(m['probe_gap'], '{:.2g}')} | "
                          f"{_n(m['switch_s'])} |")
     errors = [(rec["shape"], e) for rec in doc["results"] for e in rec.get("errors", [])]
     if errors:
@@ -537,7 +579,7 @@ def parse_args(argv=None):
     p.add_argument("--empty-cache", action="store_true",
                    help="call torch.cuda.empty_cache() after each train step (user code, not timed "
                         "as switch): try it if the engine cannot wake beside a large trainer")
-    p.add_argument("--timeout", type=float, default=420, help="seconds per worker process")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per worker process")
     p.add_argument("--out", default=None, help="default benchmarks/results/switch_<device>.json")
     p.add_argument("--worker", choices=["build", "raw", "minirl"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)

@@ -445,5 +445,5 @@ class TrainWorker:
     def close(self) -> None:
         if self._group is not None:
             self._group.close()
-        if dist.is_initialized():
+        if self.rank.owns_group and dist.is_initialized():
             dist.destroy_process_group()

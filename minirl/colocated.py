@@ -263,6 +263,9 @@ class WeightManager:
             t = {}
             self.optimizer.zero_grad(set_to_none=True)
             asleep = self._sleeps and self._vc.is_sleeping(self.llm)
+            if asleep:   # vLLM maps its memory directly: hand the trainer's cached blocks back
+                with _timer(t, "empty_cache_s", self.device):
+                    torch.cuda.empty_cache()
             if asleep:
                 with _timer(t, "wake_weights_s", self.device):
                     self._vc.wake(self.llm, ["weights"])
@@ -303,7 +306,7 @@ class WeightManager:
             return
         self._closed = True
         self._vc.shutdown(self.llm)
-        if dist.is_initialized():
+        if self.rank.owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
     def __enter__(self):

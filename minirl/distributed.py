@@ -22,6 +22,8 @@ class Rank:
     world_size: int
     local_rank: int
     device: torch.device
+    owns_group: bool = False
+    """True when init_distributed created the process group (so its owner may destroy it)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -50,7 +52,8 @@ def init_distributed(timeout_s: float = 600.0) -> Rank:
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
     local_rank = int(os.environ["LOCAL_RANK"])
     device = pick_device(local_rank)
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         if device.type == "cuda":
             torch.cuda.set_device(device)
             backend = "cpu:gloo,cuda:nccl"
@@ -60,4 +63,4 @@ def init_distributed(timeout_s: float = 600.0) -> Rank:
                                 device_id=device if device.type == "cuda" else None)
     elif device.type == "cuda":
         torch.cuda.set_device(device)
-    return Rank(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    return Rank(dist.get_rank(), dist.get_world_size(), local_rank, device, created)

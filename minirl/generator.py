@@ -36,6 +36,8 @@ class Generator:
         if self.sampling["logprobs"] is None:
             raise ValueError("sampling logprobs=None: rollouts need the sampling log-probs (use 0)")
         kw = vc.engine_kwargs(llm_kwargs, sleep=False, seed=seed, colocated=False)
+        if vc.ON_CPU:   # compute as the trainer does on CPU (fp32), not vLLM's bf16 default
+            kw.setdefault("dtype", "float32")
         self.llm = vc.build_llm(model, **kw)
         self.device = vc.get_worker(self.llm).device
         self.version = 0

@@ -39,3 +39,13 @@ def run_py(args, *, timeout=600, env=None, cwd=ROOT):
     e.update({"PYTHONUNBUFFERED": "1", **(env or {})})
     return subprocess.run([PYTHON, *args], cwd=cwd, env=e, capture_output=True, text=True,
                           timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A private local Ray cluster for one test module (never joins another cluster)."""
+    import ray
+    ray.init(address="local", num_cpus=4, object_store_memory=300 * 2**20, include_dashboard=False,
+             namespace="minirl", log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -115,58 +115,65 @@ def test_colocated_loop_sleeps_trains_and_syncs(gpu_wm, record):
     from minirl.vllm_compat import fingerprint, is_sleeping
 
     wm, tol, group, micro = gpu_wm, probe_tolerance(gpu_wm), 4, 16
-    assert wm.device.type == "cuda" and wm.engine_dtype == torch.bfloat16
-    task = get_task("succ")
-    sampling = SamplingParams(n=group, temperature=1.0, max_tokens=8, logprobs=0)
     steps = []
-    llm = wm.as_vllm()
-    assert not is_sleeping(llm)
-    for step in range(3):
-        version = wm.policy_version
-        prompts, _ = task.sample(16, seed=step)
-        outputs = llm.generate(prompts, sampling, use_tqdm=False)
-        batches = parse_vllm_outputs(outputs, group, varied_reward)
-        for b in batches:
-            b.compute_advantages()
-        rollouts = [r for b in batches for r in b]
-        assert len(rollouts) == 16 * group
-        assert all(r.policy_version == version for r in rollouts)
-        rewards = torch.tensor([r.reward for r in rollouts])
-        assert torch.isfinite(rewards).all() and rewards.std() > 0
-        engine_fp = fingerprint(llm)
-
-        model, optimizer = wm.as_trainable()
-        assert is_sleeping(wm.llm), "vLLM must sleep while the trainer runs"
-        optimizer.zero_grad()
-        losses = []
-        for i in range(0, len(rollouts), micro):
-            chunk = rollouts[i:i + micro]
-            batch = collate(chunk)
-            assert batch.input_ids.device.type == "cuda"
-            out = model(batch.input_ids, attention_mask=batch.attention_mask)
-            lp = get_logprobs(out.logits, batch.input_ids)
-            loss = clipped_policy_loss(lp, batch.old_logprobs, batch.advantages,
-                                       mask=batch.loss_mask) * (len(chunk) / len(rollouts))
-            loss.backward()
-            losses.append(loss.item())
-        optimizer.step()
-        assert all(torch.isfinite(torch.tensor(losses)))
-        memory_training = gpu_memory()
-
+    seen = {"probe_tolerance": tol, "engine_dtype": str(wm.engine_dtype), "steps": steps}
+    try:   # record what was seen even when an assertion fails
+        assert wm.device.type == "cuda" and wm.engine_dtype == torch.bfloat16
+        task = get_task("succ")
+        sampling = SamplingParams(n=group, temperature=1.0, max_tokens=8, logprobs=0)
         llm = wm.as_vllm()
-        assert not is_sleeping(llm), "as_vllm() must wake weights and KV cache"
-        assert wm.policy_version == version + 1
-        assert wm.last_probe_gap is not None and wm.last_probe_gap < tol, wm.timings
-        assert {"wake_weights_s", "load_s", "wake_kv_s"} <= set(wm.timings), wm.timings
-        assert fingerprint(llm) != engine_fp, "the trained weights did not reach the engine"
-        steps.append({"step": step, "policy_version": wm.policy_version,
-                      "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
-                      "loss": sum(losses), "probe_gap": wm.last_probe_gap, "timings": dict(wm.timings),
-                      "memory_training": memory_training, "memory_generating": gpu_memory()})
-    # The engine generates from the synced weights after the last switch too.
-    out = llm.generate(["7+1="], SamplingParams(max_tokens=4, logprobs=0), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) >= 1
-    record({"probe_tolerance": tol, "steps": steps})
+        assert not is_sleeping(llm)
+        for step in range(3):
+            obs = {"step": step}
+            steps.append(obs)
+            version = wm.policy_version
+            prompts, _ = task.sample(16, seed=step)
+            outputs = llm.generate(prompts, sampling, use_tqdm=False)
+            batches = parse_vllm_outputs(outputs, group, varied_reward)
+            for b in batches:
+                b.compute_advantages()
+            rollouts = [r for b in batches for r in b]
+            rewards = torch.tensor([r.reward for r in rollouts])
+            obs.update(rollouts=len(rollouts), reward_mean=rewards.mean().item(),
+                       reward_std=rewards.std().item())
+            assert len(rollouts) == 16 * group
+            assert all(r.policy_version == version for r in rollouts)
+            assert torch.isfinite(rewards).all() and rewards.std() > 0
+            engine_fp = fingerprint(llm)
+
+            model, optimizer = wm.as_trainable()
+            obs["sleeping_while_training"] = is_sleeping(wm.llm)
+            assert obs["sleeping_while_training"], "vLLM must sleep while the trainer runs"
+            optimizer.zero_grad()
+            losses = []
+            for i in range(0, len(rollouts), micro):
+                chunk = rollouts[i:i + micro]
+                batch = collate(chunk)
+                assert batch.input_ids.device.type == "cuda"
+                out = model(batch.input_ids, attention_mask=batch.attention_mask)
+                lp = get_logprobs(out.logits, batch.input_ids)
+                loss = clipped_policy_loss(lp, batch.old_logprobs, batch.advantages,
+                                           mask=batch.loss_mask) * (len(chunk) / len(rollouts))
+                loss.backward()
+                losses.append(loss.item())
+            optimizer.step()
+            obs.update(loss=sum(losses), memory_training=gpu_memory())
+            assert all(torch.isfinite(torch.tensor(losses)))
+
+            llm = wm.as_vllm()
+            obs.update(sleeping_after_as_vllm=is_sleeping(llm), policy_version=wm.policy_version,
+                       probe_gap=wm.last_probe_gap, timings=dict(wm.timings),
+                       memory_generating=gpu_memory())
+            assert not obs["sleeping_after_as_vllm"], "as_vllm() must wake weights and KV cache"
+            assert wm.policy_version == version + 1
+            assert wm.last_probe_gap is not None and wm.last_probe_gap < tol, wm.timings
+            assert {"wake_weights_s", "load_s", "wake_kv_s"} <= set(wm.timings), wm.timings
+            assert fingerprint(llm) != engine_fp, "the trained weights did not reach the engine"
+        # The engine generates from the synced weights after the last switch too.
+        out = llm.generate(["7+1="], SamplingParams(max_tokens=4, logprobs=0), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) >= 1
+    finally:
+        record(seen)
 
 
 class _NoisyUpdate:
@@ -185,30 +192,34 @@ class _NoisyUpdate:
 
 
 def test_sabotaged_sync_raises_then_recovers(gpu_wm, monkeypatch, record):
+    """A sync that loads noisy weights raises SyncError (probe gap); a clean one repairs it."""
     from minirl.colocated import SyncError
     from minirl.core import get_logprobs
     from minirl.vllm_compat import is_sleeping
 
     wm, tol = gpu_wm, probe_tolerance(gpu_wm)
-    wm.as_vllm()
-    model, optimizer = wm.as_trainable()
-    assert is_sleeping(wm.llm)
-    ids = torch.randint(2, 60, (2, 32), device=wm.device)
-    loss = -get_logprobs(model(ids).logits, ids).mean()
-    optimizer.zero_grad(); loss.backward(); optimizer.step()
-
-    monkeypatch.setattr(wm._vc, "weight_update", _NoisyUpdate(wm._vc.weight_update))
-    with pytest.raises(SyncError, match="probe differ"):
+    seen = {"probe_tolerance": tol}
+    try:
         wm.as_vllm()
-    bad_gap = wm.last_probe_gap
-    assert bad_gap > tol
-    monkeypatch.undo()
+        model, optimizer = wm.as_trainable()
+        assert is_sleeping(wm.llm)
+        ids = torch.randint(2, 60, (2, 32), device=wm.device)
+        loss = -get_logprobs(model(ids).logits, ids).mean()
+        optimizer.zero_grad(); loss.backward(); optimizer.step()
 
-    wm.mark_dirty()                        # repair: a clean sync puts the true weights back
-    wm.as_trainable()
-    assert is_sleeping(wm.llm)
-    wm.as_vllm()
-    assert not is_sleeping(wm.llm)
-    assert wm.last_probe_gap < tol
-    record({"probe_tolerance": tol, "sabotaged_probe_gap": bad_gap,
-            "repaired_probe_gap": wm.last_probe_gap, "repaired_timings": dict(wm.timings)})
+        monkeypatch.setattr(wm._vc, "weight_update", _NoisyUpdate(wm._vc.weight_update))
+        with pytest.raises(SyncError, match="probe differ") as err:
+            wm.as_vllm()
+        seen.update(error=str(err.value), sabotaged_probe_gap=wm.last_probe_gap)
+        assert wm.last_probe_gap > tol
+        monkeypatch.undo()
+
+        wm.mark_dirty()                        # repair: a clean sync puts the true weights back
+        wm.as_trainable()
+        assert is_sleeping(wm.llm)
+        wm.as_vllm()
+        seen.update(repaired_probe_gap=wm.last_probe_gap, repaired_timings=dict(wm.timings))
+        assert not is_sleeping(wm.llm)
+        assert wm.last_probe_gap < tol
+    finally:
+        record(seen)

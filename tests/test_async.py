@@ -1,0 +1,126 @@
+"""Async backend on a local Ray cluster (CPU): generators feed the named queue, a training
+actor pulls, trains and pushes weights back through the object store or a gloo broadcast.
+
+Needs: CPU only (4 logical CPUs of Ray resources on a 2-core box is fine). Slow-ish: every
+test starts vLLM engines in actors.
+"""
+
+import sys
+
+import pytest
+import ray
+import torch
+
+from minirl import clipped_policy_loss, collate, get_logprobs
+from minirl.async_rl import RolloutServer, TrainWorker
+from minirl.tasks import get_task
+
+pytestmark = pytest.mark.slow
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # loops below run in actors
+
+LLM = {"max_model_len": 128, "enforce_eager": True}
+PROBE = [12, 5, 13, 6, 14, 7, 15, 8, 16, 9]
+
+
+def train_loop(worker):
+    """Pull until the queue is finished; one optimizer step and one sync per pull. Returns
+    what the test checks: every uid trained, staleness seen, final version, sync timings."""
+    uids, stale = [], []
+    for batches in worker.pull_rollouts():
+        uids += [b.uid for b in batches if b.uid is not None]
+        stale += [worker.policy_version - b.policy_version for b in batches]
+        rollouts = [r for b in batches for r in b.compute_advantages()]
+        batch = collate(rollouts)
+        out = worker.model(batch.input_ids, attention_mask=batch.attention_mask)
+        loss = clipped_policy_loss(get_logprobs(out.logits, batch.input_ids), batch.old_logprobs,
+                                   batch.advantages, mask=batch.loss_mask)
+        worker.optimizer.zero_grad(); loss.backward(); worker.optimizer.step()
+        worker.sync_weights()
+    return {"uids": uids, "stale": stale, "version": worker.policy_version, "timings": worker.timings}
+
+
+def trainer_logprobs(worker, ids):
+    from minirl.weights import reshard
+    with torch.no_grad():
+        x = torch.tensor([ids], device=worker.device)
+        lp = get_logprobs(worker.model(x).logits, x)[0].tolist()
+    reshard(worker.model)
+    return lp
+
+
+def _server(tiny_model, name, n_gen, n_prompts, **kw):
+    task = get_task("succ")
+    prompts, answers = task.sample(n_prompts, seed=7)
+    srv = RolloutServer(tiny_model, name, reward_fn=task.reward, num_generators=n_gen, group_size=4,
+                        sampling={"max_tokens": 2}, queue_size=16, prompts_per_call=4,
+                        llm_kwargs=LLM, **kw)
+    srv.submit(prompts, metadata=answers)
+    return srv
+
+
+def _trainer(tiny_model, name, **kw):
+    from actors.training import start_trainers
+    kw = {"lr": 1e-3, "batch_size": 4, **kw}
+    return start_trainers(1, tiny_model, name, **kw)
+
+
+@pytest.mark.parametrize("transport, staleness, n_gen", [("object_store", 1, 1), ("collective", 0, 2)])
+def test_every_prompt_once_within_staleness_and_weights_arrive(ray_local, tiny_model, transport,
+                                                               staleness, n_gen):
+    name = f"q-{transport}"
+    srv = _server(tiny_model, name, n_gen, 24)
+    pg, (trainer,) = _trainer(tiny_model, name, transport=transport, max_staleness=staleness)
+    srv.run(block=False)
+    out = ray.get(trainer.run.remote(train_loop), timeout=600)
+    stats = srv.wait(timeout_s=120)
+    assert sorted(out["uids"]) == list(range(24))            # each prompt trained exactly once
+    assert max(out["stale"]) <= staleness                    # the bound held for every batch
+    if staleness == 0:
+        assert set(out["stale"]) == {0}                      # exactly on-policy
+    assert out["version"] == 6 and out["timings"]["generators"] == n_gen
+    assert stats["failures"] == 0
+    # The generators hold the trainer's final weights: same log-probs on a probe.
+    want = torch.tensor(ray.get(trainer.run.remote(trainer_logprobs, PROBE)))
+    for g in srv.generators.values():
+        info = ray.get(g["actor"].info.remote())
+        assert info["version"] == 6
+        got = torch.tensor(ray.get(g["actor"].prompt_logprobs.remote(PROBE)))
+        assert (got - want).abs().max() < 1e-4
+    srv.shutdown(remove_queue=True)
+    ray.get(trainer.close.remote()); ray.kill(trainer); ray.util.remove_placement_group(pg)
+
+
+def test_killed_generator_restarts_with_current_weights(ray_local, tiny_model):
+    import time
+    name = "q-kill"
+    srv = _server(tiny_model, name, 2, 40)
+    victim = next(iter(srv.generators))
+    pg, (trainer,) = _trainer(tiny_model, name, max_staleness=1)
+    srv.run(block=False)
+    done = trainer.run.remote(train_loop)
+    deadline = time.time() + 300
+    while srv.queue_stats()["delivered"] < 8 and time.time() < deadline:
+        time.sleep(0.2)
+    ray.kill(srv.generators[victim]["actor"], no_restart=False)     # SIGKILL; Ray restarts it
+    out = ray.get(done, timeout=600)
+    stats = srv.wait(timeout_s=120)
+    assert sorted(out["uids"]) == list(range(40))                   # none lost, none twice
+    assert max(out["stale"]) <= 1
+    assert stats["failures"] >= 1
+    info = ray.get(srv.generators[victim]["actor"].info.remote())
+    assert info["restarted"] and info["version"] == out["version"]  # back, with current weights
+    srv.shutdown(remove_queue=True)
+    ray.get(trainer.close.remote()); ray.kill(trainer); ray.util.remove_placement_group(pg)
+
+
+def test_wrong_queue_name_and_wrong_model(ray_local, tiny_model, tmp_path):
+    from actors.queue import connect_queue, create_queue
+    from minirl.colocated import model_identity
+    from minirl.tiny import build_tiny_model
+    with pytest.raises(LookupError, match="no rollout queue named nope"):
+        connect_queue("nope", timeout_s=0.5)
+    create_queue("q-model", max_batches=4, model_id=model_identity(tiny_model))
+    other = build_tiny_model(tmp_path / "other", num_layers=1)
+    with pytest.raises(ValueError, match="serves model"):
+        TrainWorker(str(other), "q-model")
+    ray.kill(ray.get_actor("q-model", namespace="minirl"))
