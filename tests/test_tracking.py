@@ -75,6 +75,8 @@ def test_other_ranks_write_nothing(tmp_path, monkeypatch):
         t.log({"loss": 1.0}, step=1)
     assert not (tmp_path / "run").exists()
     monkeypatch.setenv("RANK", "2")                          # default rank from the env
+    import torch.distributed as dist                         # (when no process group exists)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
     t = Tracker(tmp_path / "run2", backends=(), console=False)
     assert t.rank == 2 and not t.enabled
     t.log({"loss": 1.0}, step=1)
