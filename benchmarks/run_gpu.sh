@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs whose results sit in benchmarks/results/ (one H200 machine with 2 GPUs, vLLM 0.22
 # from the wheel kit in ../shared/gpu, PYTHONPATH=/tmp/site:$PWD). One stage per call:
-#   bash benchmarks/run_gpu.sh tests|switch06|switch4|async1|async2a|async2b  OUT_DIR
+#   bash benchmarks/run_gpu.sh tests|switch|async1|async2a|async2b|broadcast  OUT_DIR
 set -uo pipefail
 stage=$1; out=${2:-benchmarks/results}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled VLLM_ENABLE_V1_MULTIPROCESSING=0
@@ -11,10 +11,11 @@ case "$stage" in
     python -c 'import torch, vllm, ray; print(torch.__version__, vllm.__version__, ray.__version__)' >> "$out/gpu_env.txt"
     CUDA_VISIBLE_DEVICES=0 MINIRL_RESULTS_DIR=$out timeout 300 python -m pytest tests/gpu -q -x 2>&1 | tail -20 | tee "$out/gpu_tests_tiny.log"
     CUDA_VISIBLE_DEVICES=0 MINIRL_GPU_SHAPE=qwen3-0.6b MINIRL_RESULTS_DIR=$out/q06 timeout 240 python -m pytest tests/gpu -q -x 2>&1 | tail -20 | tee "$out/gpu_tests_q06.log" ;;
-  switch06) CUDA_VISIBLE_DEVICES=0 python launch/bench_switch.py --shapes qwen3-0.6b --reps 4 --prompts 256 --new-tokens 256 --out "$out/switch_h200_qwen3-0.6b.json" ;;
-  switch4)  CUDA_VISIBLE_DEVICES=0 python launch/bench_switch.py --shapes qwen3-4b --reps 4 --prompts 256 --new-tokens 256 --out "$out/switch_h200_qwen3-4b.json" ;;
-  async1)   # issue 4: generation + training on fractional bundles of ONE GPU, object-store transport
+  switch)   # both shapes; minirl at sleep level 2 and resident (0), verify on/off; raw vLLM beside
+    CUDA_VISIBLE_DEVICES=0 python launch/bench_switch.py --shapes qwen3-0.6b,qwen3-4b --reps 4 --out "$out/switch_h200.json" ;;
+  async1)   # generation + training on fractional bundles of ONE GPU, object-store transport
     CUDA_VISIBLE_DEVICES=0 python launch/bench_async.py --shape qwen3-0.6b --gpus 1 --fraction 0.5 --parts async/object_store --steps 4 --max-tokens 64 --out "$out/async_h200_1gpu.json" ;;
   async2a)  python launch/bench_async.py --shape qwen3-0.6b --gpus 2 --parts allreduce,async/collective --steps 4 --max-tokens 64 --out "$out/async_h200_2gpu_a.json" ;;
   async2b)  python launch/bench_async.py --shape qwen3-0.6b --gpus 2 --parts async/object_store,colocated --steps 4 --max-tokens 64 --out "$out/async_h200_2gpu_b.json" ;;
+  broadcast) python launch/bench_async.py --shape qwen3-0.6b --gpus 2 --parts allreduce,broadcast --allreduce-mb 1024 --out "$out/broadcast_h200_2gpu.json" ;;
 esac

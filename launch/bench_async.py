@@ -79,6 +79,50 @@ def part_allreduce(args):
     return res
 
 
+def _broadcast_rank(rank, world, port, size_mb, out):
+    """One process per GPU, each seeing only its own (as in Ray actors): minirl's BroadcastGroup."""
+    import os
+    if os.environ.get("BENCH_GPUS", "0") != "0":
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    import torch
+    from minirl.transport import BroadcastGroup
+    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    g = BroadcastGroup("127.0.0.1", port, rank, world, prefix="bench", device=dev, timeout_s=120)
+    n = size_mb << 19                                   # bf16 elements
+    bucket = [("w", torch.ones(n, dtype=torch.bfloat16, device=dev))]
+    from minirl.transport import BucketMeta
+    meta = BucketMeta.of(bucket)
+    times = []
+    for i in range(8):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        g.send(bucket) if rank == 0 else g.recv(meta)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    t = statistics.median(times[2:])
+    if rank == 1:
+        out.put({"bytes": n * 2, "seconds": t, "GBps": n * 2 / t / 1e9, "visible": "one GPU per process"})
+    g.close()
+
+
+def part_broadcast(args):
+    import torch.multiprocessing as mp
+    from minirl.distributed import free_port
+    os.environ["BENCH_GPUS"] = str(args.gpus)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_broadcast_rank, args=(r, 2, port, args.allreduce_mb, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    res = q.get(timeout=300)
+    for p in procs:
+        p.join(60)
+    return res
+
+
 # ---- async and co-located runs ------------------------------------------------------------------
 
 def _loop(worker, steps):
@@ -183,6 +227,8 @@ def child(part, args):
         build_random_model(model, args.shape, device="cuda" if torch.cuda.is_available() else None)
     if part == "allreduce":
         return part_allreduce(args)
+    if part == "broadcast":
+        return part_broadcast(args)
     if part.startswith("async/"):
         return part_async(args, model, part.split("/")[1])
     return part_colocated(args, model)
@@ -241,6 +287,11 @@ def markdown(doc):
     if "busbw_GBps" in ar:
         lines.append(f"- all-reduce ({ar['backend']}, {ar['bytes'] / 2**20:.0f} MiB): bus bandwidth "
                      f"{ar['busbw_GBps']:.1f} GB/s")
+    bc = P.get("broadcast", {})
+    if "GBps" in bc:
+        frac = f" = {bc['GBps'] / ar['busbw_GBps']:.0%} of all-reduce" if "busbw_GBps" in ar else ""
+        lines.append(f"- minirl BroadcastGroup alone ({bc['visible']}, {bc['bytes'] / 2**20:.0f} MiB): "
+                     f"{bc['GBps']:.1f} GB/s{frac}")
     for t in ("collective", "object_store"):
         a = P.get(f"async/{t}", {})
         if "sync_median" in a:

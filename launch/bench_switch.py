@@ -332,7 +332,9 @@ def worker_minirl(spec: dict, res: dict, save) -> None:
     from minirl.core import get_logprobs
 
     cuda = torch.cuda.is_available()
-    passes = {"both": ["on", "off"], "on": ["on"], "off": ["off"]}[spec["verify"]]
+    verifies = {"both": ["on", "off"], "on": ["on"], "off": ["off"]}[spec["verify"]]
+    levels = [int(x) for x in str(spec.get("sleep_levels", "2")).split(",")] if cuda else [0]
+    passes = [f"L{lv}-{v}" for lv in levels for v in verifies]
     kw = dict(max_model_len=spec["max_model_len"], enforce_eager=spec["enforce_eager"])
     if cuda:
         kw["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
@@ -340,7 +342,8 @@ def worker_minirl(spec: dict, res: dict, save) -> None:
     t = {}
     with Clock(t, "startup_s"):
         wm = WeightManager(spec["path"], lr=1e-6,
-                           config=WeightManagerConfig(verify_sync=passes[0] == "on"), **kw)
+                           config=WeightManagerConfig(verify_sync=passes[0].endswith("on"),
+                                                      sleep_level=levels[0] if cuda else None), **kw)
     res["startup_s"] = t["startup_s"]
     res["engine_dtype"] = str(wm.engine_dtype).removeprefix("torch.")
     res["memory_start"] = memory()
@@ -351,9 +354,10 @@ def worker_minirl(spec: dict, res: dict, save) -> None:
     B, S, V = spec["train_batch"], spec["train_seq"], spec["vocab_size"]
     try:   # on an error: record the memory, let worker_main report it (no close: it may hang)
         for verify in passes:
-            # Same engine, the other setting (WeightManager reads config at every switch; "on"
-            # runs first, so the fingerprints it needs were taken at start-up).
-            wm.config = dataclasses.replace(wm.config, verify_sync=verify == "on")
+            # Same engine, other settings (WeightManager reads config and sleep_level at every
+            # switch; a verify-on pass runs first, so its fingerprints were taken at start-up).
+            wm.config = dataclasses.replace(wm.config, verify_sync=verify.endswith("on"))
+            wm.sleep_level = int(verify[1]) if cuda else 0
             reps = []
             res["passes"][verify] = {"reps": reps}
             for i in range(spec["reps"]):
@@ -550,7 +554,9 @@ def markdown(doc: dict) -> str:
             m = p.get("median")
             if not m:
                 continue
-            lines.append(f"| {rec['shape']} | minirl, verify {verify} | {_n(m['sleep_s'])} | "
+            level, _, on = verify.partition("-")
+            path = ("resident (no sleep)" if level == "L0" else f"sleep level {level[1:]}") + f", verify {on}"
+            lines.append(f"| {rec['shape']} | minirl, {path} | {_n(m['sleep_s'])} | "
                          f"{_n(m['wake_weights_s'])} | {_n(m['gather_s'])} | {_n(m['load_s'])} | "
                          f"{_n(m['wake_kv_s'])} | {_n(m['verify_s'])} | {_n(m['probe_gap'], '{:.2g}')} | "
                          f"{_n(m['switch_s'])} |")
@@ -567,13 +573,15 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--reps", type=int, default=5, help="switch cycles per measurement (medians)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                    help="enforce_eager (default; --no-eager: CUDA graphs, ~100 s more start-up per engine)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="default: prompt (64) + new tokens, rounded up to 128")
     p.add_argument("--verify", choices=["both", "on", "off"], default="both",
                    help="minirl's verify_sync setting(s) to measure (both: on, then off, same engine)")
+    p.add_argument("--sleep-levels", default="2,0",
+                   help="minirl sleep levels to measure on CUDA, same engine (0 = stay resident)")
     p.add_argument("--train-batch", type=int, default=2, help="B of the B x S random-token train step")
     p.add_argument("--train-seq", type=int, default=512, help="S of the B x S random-token train step")
     p.add_argument("--empty-cache", action="store_true",
@@ -632,7 +640,7 @@ def main(args) -> int:
                 "prompts": args.prompts, "new_tokens": args.new_tokens, "reps": args.reps,
                 "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.eager,
                 "engine_dtype": settings["engine_dtype"], "verify": args.verify,
-                "train_batch": args.train_batch, "train_seq": args.train_seq,
+                "sleep_levels": args.sleep_levels, "train_batch": args.train_batch, "train_seq": args.train_seq,
                 "empty_cache": args.empty_cache, "cpu_threads": None if cuda else os.cpu_count()}
         for kind in ("raw", "minirl"):
             log(f"{shape}: {kind} ...")

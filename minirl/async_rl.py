@@ -359,8 +359,7 @@ class TrainWorker:
         t = {}
         t0 = time.perf_counter()
         self.policy_version += 1
-        buckets = full_weight_buckets(self.model, dtype=self.compute_dtype,
-                                      bucket_bytes=self.config.bucket_mb << 20)
+        buckets = full_weight_buckets(self.model, dtype=self.compute_dtype)
         if self.rank.rank != 0:
             for _ in buckets:       # take part in every all-gather
                 pass

@@ -57,8 +57,11 @@ class WeightManagerConfig:
     """"auto" (bf16 compute + fp32 master weights on CUDA, fp32 on CPU), "bf16" or "fp32"."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (HF gradient checkpointing)."""
-    sleep_level: int = 2
-    """vLLM sleep level while training on CUDA (2: discard weights and KV cache)."""
+    sleep_level: int | None = None
+    """What vLLM does while the trainer trains, on CUDA: 2 = sleep, discarding weights and KV
+    cache (the sync reloads them); 1 = sleep, weights to host memory; 0 = stay resident (no
+    sleep: the switch is just the weight sync, but engine and trainer share the GPU all the
+    time). None: 0 when the trainer's state plus the engine fit beside each other, else 2."""
     verify_sync: bool = True
     """Check every sync (see module docstring); False skips the probe and fingerprints."""
     sync_weights: bool = True
@@ -67,8 +70,6 @@ class WeightManagerConfig:
     probe_text: str = "The quick brown fox jumps over the lazy dog. 0123456789 = 3+4"
     probe_tolerance: float | None = None
     """Max mean |vLLM - trainer| probe log-prob gap; None: 2e-3 for fp32 engines, 0.05 else."""
-    bucket_mb: int = 512
-    """Gather and load at most this many MiB of weights at a time."""
     seed: int = 0
     dist_timeout_s: float = 600.0
     """Timeout of every collective in the training process group."""
@@ -130,34 +131,46 @@ def _num_params(path: str, trust_remote_code: bool) -> int:
     return sum(p.numel() for p in m.parameters())
 
 
-def _memory_plan(n_params: int, world: int, device: torch.device, llm_kwargs: dict) -> dict:
-    """Check that trainer + engine fit; on CUDA pick gpu_memory_utilization if not given."""
+def _memory_plan(n_params: int, world: int, device: torch.device, llm_kwargs: dict,
+                 sleep_level: int | None) -> dict:
+    """Check that trainer + engine fit, choose the sleep level (if None) and, on CUDA, the
+    engine's gpu_memory_utilization (if not given). Returns {"sleep_level", ...llm kwargs}."""
     gib = 1 << 30
-    trainer = n_params * 16 / world      # fp32 weights + grads + two Adam moments, sharded
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        util = llm_kwargs.get("gpu_memory_utilization")
-        if util is None:
-            util = min(0.9, (free - trainer - 2 * gib) / total)
-            if util < 0.05:
-                raise MemoryError(
-                    f"the model does not fit: training {n_params / 1e9:.2f}B parameters needs "
-                    f"~{trainer / gib:.1f} GiB per GPU over {world} GPU(s), {free / gib:.1f} GiB is free, "
-                    "leaving nothing for vLLM. Use more GPUs or a smaller model.")
-            return {"gpu_memory_utilization": round(util, 3)}
-        if trainer + util * total > free:
+    state = n_params * 16 / world      # fp32 weights + grads + two Adam moments, sharded
+    if device.type != "cuda":
+        import psutil
+        need = state + n_params * 4 + llm_kwargs.get("kv_cache_memory_bytes", 256 << 20)
+        avail = psutil.virtual_memory().available
+        if need > avail:
+            raise MemoryError(f"the model does not fit in RAM: training + engine need ~{need / gib:.1f} GiB, "
+                              f"{avail / gib:.1f} GiB is available")
+        return {"sleep_level": 0}
+    free, total = torch.cuda.mem_get_info(device)
+    margin = max(4 * gib, 0.1 * total)          # activations and allocator slack while training
+    engine_min = n_params * 2 + 2 * gib         # bf16 weights + a small KV cache
+    util = llm_kwargs.get("gpu_memory_utilization")
+    if sleep_level is None:
+        resident = state + margin + (engine_min if util is None else util * total)
+        sleep_level = 0 if resident <= free else 2
+    # While generating, the trainer keeps weights + Adam (grads are freed); while training, a
+    # sleeping engine keeps ~nothing, a resident one everything.
+    beside = state + margin if sleep_level == 0 else n_params * 12 / world + 2 * gib
+    if util is None:
+        util = min(0.9, (free - beside) / total)
+        if util * total < engine_min:
             raise MemoryError(
-                f"the model does not fit: training needs ~{trainer / gib:.1f} GiB per GPU and vLLM "
-                f"asks for gpu_memory_utilization={util} ({util * total / gib:.1f} GiB), but "
-                f"{free / gib:.1f} GiB is free. Lower gpu_memory_utilization, or use more GPUs.")
-        return {}
-    import psutil
-    need = trainer + n_params * 4 + llm_kwargs.get("kv_cache_memory_bytes", 256 << 20)
-    avail = psutil.virtual_memory().available
-    if need > avail:
-        raise MemoryError(f"the model does not fit in RAM: training + engine need ~{need / gib:.1f} GiB, "
-                          f"{avail / gib:.1f} GiB is available")
-    return {}
+                f"the model does not fit: training {n_params / 1e9:.2f}B parameters keeps ~{beside / gib:.1f} GiB "
+                f"per GPU over {world} GPU(s) beside the engine (sleep_level={sleep_level}), "
+                f"{free / gib:.1f} GiB is free. Use more GPUs, a smaller model"
+                + (", or sleep_level=2" if sleep_level == 0 else "") + ".")
+        return {"sleep_level": sleep_level, "gpu_memory_utilization": round(util, 3)}
+    if beside + util * total > free:
+        raise MemoryError(
+            f"the model does not fit: training keeps ~{beside / gib:.1f} GiB per GPU beside the engine "
+            f"(sleep_level={sleep_level}) and vLLM asks for gpu_memory_utilization={util} "
+            f"({util * total / gib:.1f} GiB), but {free / gib:.1f} GiB is free. Lower "
+            "gpu_memory_utilization, use more GPUs" + (", or sleep_level=2" if sleep_level == 0 else "") + ".")
+    return {"sleep_level": sleep_level}
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -201,8 +214,8 @@ class WeightManager:
     def __init__(self, model: str, *, lr: float = 1e-6, config: WeightManagerConfig | None = None,
                  **llm_kwargs):
         cfg = self.config = config or WeightManagerConfig()
-        if cfg.sleep_level not in (1, 2):
-            raise ValueError(f"sleep_level must be 1 or 2, got {cfg.sleep_level}")
+        if cfg.sleep_level not in (None, 0, 1, 2):
+            raise ValueError(f"sleep_level must be None, 0, 1 or 2, got {cfg.sleep_level}")
         # Check everything that can be checked before any heavy work.
         self.path = _check_model_path(model)
         from minirl.distributed import pick_device
@@ -210,11 +223,15 @@ class WeightManager:
         compute_dtype = _precision(cfg.mixed_precision, device)
         from minirl import vllm_compat as vc
         self._vc = vc
-        kw = vc.engine_kwargs(llm_kwargs, sleep=device.type == "cuda", seed=cfg.seed)
+        kw = vc.engine_kwargs(llm_kwargs, sleep=device.type == "cuda" and cfg.sleep_level != 0,
+                              seed=cfg.seed)
         kw.setdefault("trust_remote_code", cfg.trust_remote_code)
         kw.setdefault("dtype", str(compute_dtype).removeprefix("torch."))  # engine computes as trainer
         world = int(os.environ.get("WORLD_SIZE", 1))
-        kw.update(_memory_plan(_num_params(self.path, cfg.trust_remote_code), world, device, kw))
+        plan = _memory_plan(_num_params(self.path, cfg.trust_remote_code), world, device, kw,
+                            cfg.sleep_level)
+        self.sleep_level = plan.pop("sleep_level")
+        kw.update(plan)
 
         self.rank = init_distributed(cfg.dist_timeout_s)
         self.device = self.rank.device
@@ -231,8 +248,9 @@ class WeightManager:
             os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         self.llm = vc.build_llm(self.path, **kw)
         self.llm._minirl_check = self._check_generate
+        self.sleep_level: int
+        """The sleep level in use (0 on CPU, where vLLM cannot sleep); settable between steps."""
         self.engine_dtype = vc.engine_dtype(self.llm)
-        self._sleeps = self.device.type == "cuda"
 
         self.policy_version = 0
         self.timings: dict[str, float] = {}
@@ -262,7 +280,7 @@ class WeightManager:
         if self._mode == "train":
             t = {}
             self.optimizer.zero_grad(set_to_none=True)
-            asleep = self._sleeps and self._vc.is_sleeping(self.llm)
+            asleep = self.device.type == "cuda" and self._vc.is_sleeping(self.llm)
             if asleep:   # vLLM maps its memory directly: hand the trainer's cached blocks back
                 with _timer(t, "empty_cache_s", self.device):
                     torch.cuda.empty_cache()
@@ -288,9 +306,9 @@ class WeightManager:
         self._check_open()
         if self._mode == "generate":
             t = {}
-            if self._sleeps:
+            if self.device.type == "cuda" and self.sleep_level > 0:
                 with _timer(t, "sleep_s", self.device):
-                    self._vc.sleep(self.llm, self.config.sleep_level if self.config.sync_weights else 1)
+                    self._vc.sleep(self.llm, self.sleep_level if self.config.sync_weights else 1)
             self._cycle = t
             self._mode = "train"
         self.model.train()
@@ -327,18 +345,13 @@ class WeightManager:
                                "hold stale weights. Call wm.as_vllm() first and use the engine it returns")
 
     def _gather_fingerprint(self) -> torch.Tensor:
-        fp = torch.zeros(2, dtype=torch.float64)
-        for bucket in full_weight_buckets(self.model, dtype=self.engine_dtype,
-                                          bucket_bytes=self.config.bucket_mb << 20):
-            fp += bucket_fingerprint(bucket).cpu()
-        return fp
+        return sum(bucket_fingerprint(b) for b in full_weight_buckets(self.model, dtype=self.engine_dtype)).cpu()
 
     def _sync(self, t: dict) -> None:
         """Gather every FSDP2 shard on every rank and load it into this rank's engine."""
-        trainer_fp = torch.zeros(2, dtype=torch.float64)
+        trainer_fp = 0
         t["gather_s"] = t["load_s"] = 0.0
-        buckets = full_weight_buckets(self.model, dtype=self.engine_dtype,
-                                      bucket_bytes=self.config.bucket_mb << 20)
+        buckets = full_weight_buckets(self.model, dtype=self.engine_dtype)
         with self._vc.weight_update(self.llm) as load:
             while True:
                 with _timer(t, "gather_s", self.device, add=True):
@@ -348,7 +361,7 @@ class WeightManager:
                 with _timer(t, "load_s", self.device, add=True):
                     load(bucket)
                 if self.config.verify_sync:
-                    trainer_fp += bucket_fingerprint(bucket).cpu()
+                    trainer_fp = trainer_fp + bucket_fingerprint(bucket)
                 del bucket
         missing = self._expected - load.loaded
         if missing:
@@ -357,7 +370,7 @@ class WeightManager:
         if self._dirty:
             self.policy_version += 1
             self._dirty = False
-        self._new_trainer_fp = trainer_fp
+        self._new_trainer_fp = trainer_fp.cpu() if self.config.verify_sync else None
 
     def _verify(self, t: dict) -> None:
         engine_fp = self._vc.fingerprint(self.llm)

@@ -101,8 +101,9 @@ def get_model(llm: LLM) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def weight_update(llm: LLM):
-    """Load new checkpoint-format weights in place, bucket by bucket, through vLLM's layerwise
-    reload (the path that works on CPU, where linear weights are repacked, and on GPU).
+    """Load new checkpoint-format weights in place, bucket by bucket: straight through the
+    model's load_weights for unquantized models on CUDA, else through vLLM's layerwise reload
+    (the path that works on CPU, where linear weights are repacked, and for quantized models).
 
         with weight_update(llm) as load:
             for bucket in buckets:          # [(hf_name, tensor), ...] grouped by layer
@@ -129,12 +130,25 @@ def weight_update(llm: LLM):
     loader = _Loader()
     loader.loaded = set()
     with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+        if _direct_load_ok(worker):
+            yield loader
+            return
         initialize_layerwise_reload(model)
         try:
             yield loader
         finally:
             finalize_layerwise_reload(model, worker.model_config)
             _reprocess_tied(model)
+
+
+def _direct_load_ok(worker) -> bool:
+    """On CUDA, an unquantized model's weights are used as loaded, so load_weights can copy
+    straight into them (the fast path: no layer materialisation, no reprocessing). CPU repacks
+    linear weights and quantized models transform theirs: those take the layerwise reload.
+    MINIRL_LAYERWISE_RELOAD=1 forces the layerwise path everywhere."""
+    if os.environ.get("MINIRL_LAYERWISE_RELOAD") == "1" or ON_CPU:
+        return False
+    return worker.model_config.quantization is None
 
 
 def _reprocess_tied(model: torch.nn.Module) -> None:
@@ -162,16 +176,12 @@ def expected_weight_names(llm: LLM) -> set[str]:
 
 @torch.no_grad()
 def fingerprint(llm: LLM) -> tuple[float, float]:
-    """(sum, sum of squares) over the engine's float parameters, in float64: a cheap signature
-    that changes whenever a sync changes any visible parameter. (On CPU vLLM repacks linear
-    weights out of sight; embeddings and norms still show.)"""
-    s = q = torch.zeros((), dtype=torch.float64, device=get_worker(llm).device)
-    for p in get_model(llm).parameters():
-        if p.numel() and p.is_floating_point():
-            x = p.detach().double()
-            s = s + x.sum()
-            q = q + (x * x).sum()
-    return float(s), float(q)
+    """(sum, sum of |x|) over the engine's float parameters, in float64: a cheap signature that
+    changes whenever a sync changes any visible parameter. (On CPU vLLM repacks linear weights
+    out of sight; embeddings and norms still show.)"""
+    from minirl.weights import fingerprint as fp
+    v = fp(p for p in get_model(llm).parameters() if p.numel() and p.is_floating_point())
+    return tuple(v.tolist())
 
 
 def engine_dtype(llm: LLM) -> torch.dtype:

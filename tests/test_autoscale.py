@@ -15,6 +15,9 @@ cannot end before the pool has changed):
 3. scale down: A is drained and removed while phase 2 runs; phase 3 is served by B alone; the
    trainer trains every uid exactly once, and the idle gen_pool nodes go away afterwards.
 
+test_cluster_yaml_is_a_valid_autoscaler_config checks launch/cluster.yaml (the AWS version of
+this layout) the way `ray up` would before launching anything.
+
 Which replica made a batch: rollouts do not record it, so the test starts replicas from a
 thin subclass of GenerationActor that writes Rollout.info["worker_id"] (see _tagging_actor).
 
@@ -22,11 +25,13 @@ The cluster is started with `ray start --head --block` in its own session, on it
 temp dir, and stopped by signalling only that session's processes: never `ray stop`, which
 would kill every Ray process on the machine (other tests run Ray here at the same time).
 
-Needs: CPU only, about 6 GB of RAM; takes 2-3 minutes (vLLM starts in two fake nodes).
+Needs: CPU only, a few GB of RAM; about 1 minute on a 2-core box (more under load: every wait
+has its own deadline).
 """
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -95,6 +100,34 @@ def _session_pids(sid: int) -> list[int]:
     return pids
 
 
+def _kill_session(sid: int, grace_s: float, reap=lambda: None) -> None:
+    """SIGTERM every process of session `sid`, then SIGKILL what is left after grace_s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = _session_pids(sid)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + grace_s
+        while time.time() < deadline:
+            reap()
+            if not _session_pids(sid):
+                return
+            time.sleep(0.2)
+
+
+_WATCHDOG = """
+import os, signal, sys, time
+parent, sid = int(sys.argv[1]), int(sys.argv[2])
+while os.getppid() == parent:      # reparented: the test process died without its teardown
+    time.sleep(1)
+_kill_session(sid, 10.0)
+"""
+
+
 class PrivateAutoscalingCluster:
     """Ray's fake multi-node autoscaling cluster (ray.cluster_utils.AutoscalingCluster), minus
     its `ray stop --force` calls and its dependency on the example.yaml the wheel lacks.
@@ -104,14 +137,15 @@ class PrivateAutoscalingCluster:
     RAY_AUTH_MODE=disabled), on free ports and a private temp dir (so `ray.init("auto")`
     elsewhere never finds it). The autoscaler (v1) launches fake worker nodes from its monitor
     process, i.e. inside that session; provider.gcs_address points them at our GCS rather than
-    the default port 6379. shutdown(): SIGTERM, then SIGKILL, to that session only.
+    the default port 6379. shutdown(): SIGTERM, then SIGKILL, to that session only. A watchdog
+    process does the same if the test process dies without tearing down (e.g. kill -9).
     """
 
     def __init__(self, head_resources: dict, worker_node_types: dict, **config):
         self.head_resources = dict(head_resources)
         self.worker_node_types = worker_node_types
         self.extra = config
-        self.proc = None
+        self.proc = self.watchdog = None
         self.address = None
 
     def config(self, gcs_address: str) -> dict:
@@ -139,7 +173,8 @@ class PrivateAutoscalingCluster:
         cfg_path = self.tmp / "autoscaler.json"
         cfg_path.write_text(json.dumps(self.config(self.address)))
         res = dict(self.head_resources)
-        cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+        ray_bin = Path(sys.executable).with_name("ray")
+        cmd = [str(ray_bin) if ray_bin.exists() else shutil.which("ray"), "start", "--head", "--block",
                f"--autoscaling-config={cfg_path}", f"--port={port}",
                f"--temp-dir={self.tmp / 'ray'}", "--include-dashboard=false",
                f"--ray-client-server-port={_free_port()}",
@@ -152,6 +187,8 @@ class PrivateAutoscalingCluster:
         dist_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS"}
         env = {k: v for k, v in os.environ.items() if k not in dist_vars}
         env.update(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_AUTH_MODE="disabled",
+                   AUTOSCALER_METRIC_PORT=str(_free_port()),      # default 44217 may be taken
+                   RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",      # SIGTERM: stop at once
                    PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
         self.log_path = self.tmp / "ray_start.log"
         with open(self.log_path, "w") as out:
@@ -162,53 +199,61 @@ class PrivateAutoscalingCluster:
                  "the fake cluster's head to start")
         if self.proc.poll() is not None:
             raise RuntimeError(f"ray start exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
+        # The fake worker nodes are started by the autoscaler without fate sharing: if this
+        # process is killed (no teardown), a watchdog kills the session for us.
+        import inspect
+        src = inspect.getsource(_session_pids) + inspect.getsource(_kill_session) + _WATCHDOG
+        self.watchdog = subprocess.Popen([sys.executable, "-c", "import os, signal, time\n" + src,
+                                          str(os.getpid()), str(self.proc.pid)],
+                                         start_new_session=True, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         log(f"head up at {self.address} (session {self.proc.pid}, temp dir {self.tmp})")
         return self.address
 
-    def shutdown(self, grace_s: float = 15.0) -> None:
+    def shutdown(self, grace_s: float = 10.0, keep_logs: bool = False) -> None:
+        """SIGTERM every process of our session, SIGKILL what is left after grace_s."""
         if self.proc is None:
             return
-        sid = self.proc.pid
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in _session_pids(sid):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.time() + grace_s
-            while _session_pids(sid) and time.time() < deadline:
-                self.proc.poll()       # reap our child so it does not linger as a zombie
-                time.sleep(0.2)
-            if not _session_pids(sid):
-                break
+        sid, t0 = self.proc.pid, time.time()
+        _kill_session(sid, grace_s, reap=self.proc.poll)   # poll(): reap our child (no zombie)
         self.proc.wait(timeout=grace_s)
+        if self.watchdog is not None:
+            self.watchdog.kill()
+            self.watchdog.wait()
         left = _session_pids(sid)
-        log(f"cluster stopped (session {sid}; {len(left)} processes left)")
-        self.proc = None
+        log(f"cluster stopped in {time.time() - t0:.1f} s (session {sid}; {len(left)} processes left)")
+        if keep_logs:
+            log(f"logs kept in {self.tmp}")
+        else:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        self.proc = self.watchdog = None
 
 
 @pytest.fixture(scope="module")
-def fake_cluster():
+def fake_cluster(request):
     cluster = PrivateAutoscalingCluster(
         head_resources={"CPU": 3, "object_store_memory": 300 * 2**20},
         worker_node_types={"gen_pool": {
             "resources": {**GEN_BUNDLE, "object_store_memory": 150 * 2**20},
             "node_config": {}, "min_workers": 0, "max_workers": 2}},
         max_workers=2, idle_timeout_minutes=0.2)
+    failed_before = request.session.testsfailed
     try:
         address = cluster.start()
         ray.init(address=address, namespace="minirl", log_to_driver=False)
         yield cluster
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        cluster.shutdown(keep_logs=request.session.testsfailed > failed_before
+                         or bool(os.environ.get("MINIRL_KEEP_RAY_LOGS")))
 
 
 # -- helpers --------------------------------------------------------------------------------------
 
 def _tagging_actor():
     """GenerationActor, but every rollout it makes records Rollout.info["worker_id"] (rollouts do
-    not say which replica made them; see the report). Built from the undecorated class."""
+    not say which replica made them). Built from the undecorated class (Ray private attributes);
+    drop it once GenerationActor.work stamps the worker id itself."""
     from actors import generation
     base = generation.GenerationActor.__ray_metadata__.modified_class.__ray_actor_class__
 
@@ -257,7 +302,28 @@ def pg_node(pg) -> str:
     return ray.util.placement_group_table(pg)["bundles_to_node_id"][0]
 
 
-# -- the test -------------------------------------------------------------------------------------
+# -- the tests ------------------------------------------------------------------------------------
+
+def test_cluster_yaml_is_a_valid_autoscaler_config():
+    """launch/cluster.yaml passes what `ray up` runs first (defaults filled in, then the
+    schema), and has the node types the docs promise."""
+    import copy
+    import yaml
+    from ray.autoscaler._private.util import prepare_config, validate_config
+    cfg = yaml.safe_load((ROOT / "launch" / "cluster.yaml").read_text())
+    full = prepare_config(copy.deepcopy(cfg))
+    validate_config(full)
+    types = full["available_node_types"]
+    assert full["head_node_type"] in types and full["provider"]["type"] == "aws"
+    gen, trainer = types["gen_gpu"], types["trainer"]
+    assert gen["min_workers"] == 0 and gen["max_workers"] >= 1
+    assert gen["resources"]["gen_pool"] >= 1 and gen["resources"]["GPU"] >= 1
+    assert trainer["min_workers"] == trainer["max_workers"] == 1 and trainer["resources"]["trainer"] >= 1
+    assert "gen_pool" not in trainer["resources"] and "gen_pool" not in types[full["head_node_type"]]["resources"]
+    assert full["max_workers"] >= trainer["max_workers"] + gen["max_workers"]
+    assert full["idle_timeout_minutes"] > 0
+    assert any('pip install -q -e ".[gpu]"' in c for c in full["setup_commands"])
+
 
 def test_generation_pool_scales_up_from_zero_and_down(fake_cluster, tiny_model, monkeypatch):
     from actors import generation
@@ -301,7 +367,7 @@ def test_generation_pool_scales_up_from_zero_and_down(fake_cluster, tiny_model, 
         wait_for(lambda: pg_state(g["pg"]) == "CREATED", 60, f"{what}: its placement group", show=show)
         wait_for(lambda: g["ready"], 180, f"{what}: the replica to start", show=show)
         log(f"{what} {wid}: node after {t1 - t0:.1f} s, ready after {time.time() - t0:.1f} s "
-            f"on node {pg_node(g['pg'])[:8]}")
+            f"on node ...{pg_node(g['pg'])[-5:]}")
         return wid, g
 
     # 1. Scale up from zero; phase 1 trains to version 4, then the trainer waits for prompts.
@@ -349,7 +415,8 @@ def test_generation_pool_scales_up_from_zero_and_down(fake_cluster, tiny_model, 
     server.shutdown(remove_queue=True)
     ray.get(trainer.close.remote(), timeout=60); ray.kill(trainer); ray.util.remove_placement_group(pg)
     t0 = time.time()
-    wait_for(lambda: node_a not in gen_nodes(), 90, "A's node to be released", show=show)
-    wait_for(lambda: not gen_nodes(), 90, "every gen_pool node to be released", show=show)
+    nodes = lambda: f"gen_pool nodes {[n[-5:] for n in gen_nodes()]}"   # noqa: E731 (queue is gone)
+    wait_for(lambda: node_a not in gen_nodes(), 90, "A's node to be released", show=nodes)
+    wait_for(lambda: not gen_nodes(), 90, "every gen_pool node to be released", show=nodes)
     log(f"gen_pool nodes released {time.time() - t0:.1f} s after shutdown; "
         f"test took {time.time() - t_start:.1f} s")
