@@ -70,6 +70,9 @@ class GenerationActor:
         t0 = time.perf_counter()
         with self._engine:
             batches = self.gen.generate(items)   # stamped with the version the engine holds
+        for b in batches:
+            for r in b:
+                r.info["worker_id"] = self.worker_id
         t1 = time.perf_counter()
         self._get(self.hub.put.remote(self.worker_id, batches, self.timeout))
         tokens = sum(len(r.completion_ids) for b in batches for r in b)

@@ -199,9 +199,13 @@ def create_queue(name: str, *, max_batches: int, namespace: str = DEFAULT_NAMESP
     both are set), raise ValueError rather than silently sharing it.
     """
     _require_ray()
+    # Beside its creator (soft): never on an autoscaled generation node, which it would keep
+    # alive (and take its in-memory contents down with when the node goes).
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     handle = RolloutQueueActor.options(
         name=name, namespace=namespace, lifetime="detached" if detached else None,
-        get_if_exists=True).remote(max_batches, model_id=model_id, name=name)
+        get_if_exists=True, scheduling_strategy=here).remote(max_batches, model_id=model_id, name=name)
     cfg = ray.get(handle.config.remote(), timeout=RPC_TIMEOUT_S)
     if cfg["max_batches"] != max_batches:
         raise ValueError(f"rollout queue {name} in namespace {namespace} already exists with "

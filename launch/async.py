@@ -11,9 +11,11 @@ and reward_curve.png. Hardware: CPU, or GPUs for generators and trainer.
 """
 
 import argparse
+import json
 import random
 import time
 
+import ray
 import torch
 
 from minirl import clipped_policy_loss, collate, get_logprobs
@@ -76,6 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--generators", type=int, default=1)
     p.add_argument("--max-staleness", type=int, default=1)
     p.add_argument("--transport", default="object_store", choices=["object_store", "collective"])
+    p.add_argument("--gen-resources", default=None, type=json.loads,
+                   help='one replica\'s bundle, e.g. \'{"CPU": 1, "GPU": 1, "gen_pool": 1}\'')
     p.add_argument("--max-model-len", type=int, default=256)
     return p.parse_args(argv)
 
@@ -84,8 +88,10 @@ def server(args, model):
     """The generation side: a pool of vLLM actors working through every prompt of the run."""
     task = get_task(args.task)
     prompts, answers = task.sample(args.steps * args.prompts, seed=args.seed)
+    # A buffer of (max_staleness + 1) steps: more would only hold batches that go stale.
     srv = RolloutServer(model, args.queue, reward_fn=task.reward, num_generators=args.generators,
                         group_size=args.group_size, sampling={"max_tokens": args.max_tokens},
+                        queue_size=args.prompts * (args.max_staleness + 1), resources=args.gen_resources,
                         seed=args.seed, llm_kwargs={"max_model_len": args.max_model_len,
                                                     "enforce_eager": True})
     srv.submit(prompts, metadata=answers)
@@ -106,6 +112,7 @@ def trainer(args, model):
         print("reward curve:", plot_metrics(Path(args.run_dir) / "metrics.jsonl",
                                             Path(args.run_dir) / "reward_curve.png"))
         print("queue:", worker.queue_stats())
+        ray.get(worker.hub.set_config.remote(trainer_done=True), timeout=60)   # the server may now remove the queue
     worker.close()
 
 
@@ -117,6 +124,13 @@ if __name__ == "__main__":
     if args.role == "server":
         srv = server(args, model)
         print("server:", srv.run())
+        # Every prompt is taken, but the trainer still trains on the last ones, pushes their
+        # weights through the queue and the generators, and reads the queue's stats: wait for it.
+        deadline = time.monotonic() + 600
+        while not ray.get(srv.hub.config.remote(), timeout=60).get("trainer_done"):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the trainer did not finish within 600 s of the last rollout")
+            time.sleep(0.5)
         srv.shutdown(remove_queue=True)
     elif args.role == "trainer":
         trainer(args, model)

@@ -96,6 +96,12 @@ def run(args):
     backends = tuple(b for b in args.backends.split(",") if b)
     with Tracker(args.run_dir, backends=backends, total_steps=args.steps, config=vars(args)) as tracker:
         def log(step, metrics):   # average over ranks, then rank 0 writes
+            # Imported here, not used as globals: `run` travels to the Ray actors pickled by value
+            # (it lives in __main__), and cloudpickle, seeing the global `torch` and the name
+            # `backends` (args.backends), would try to pickle torch.backends, a module subclass
+            # it cannot pickle ("cannot pickle 'GenericModule' object").
+            import torch
+            import torch.distributed as dist
             keys = sorted(metrics)
             v = torch.tensor([float(metrics[k]) for k in keys], device=wm.device)
             dist.all_reduce(v)

@@ -94,7 +94,7 @@ class RolloutServer:
                                 model_id=model_identity(self.model))
         self.gen_kwargs = {"reward_fn": reward_fn, "group_size": group_size, "sampling": sampling,
                            **(llm_kwargs or {})}
-        self.seed = seed
+        self.seed, self._replicas = seed, 0     # every replica ever added gets its own seed
         self.generators: dict[str, dict] = {}     # worker_id -> {"actor", "pg", "draining", "seed"}
         self.stats = {"calls": 0, "failures": 0, "prompts": 0, "tokens": 0, "stale_skips": 0}
         self._lock = threading.Lock()
@@ -116,7 +116,8 @@ class RolloutServer:
         wid = f"gen-{uuid.uuid4().hex[:8]}"
         bundle = dict(resources or self.resources)
         pg = placement.create([bundle], strategy="STRICT_PACK", name=f"{self.queue_address}-{wid}")
-        kwargs = {**self.gen_kwargs, "seed": self.seed + len(self.generators)}
+        kwargs = {**self.gen_kwargs, "seed": self.seed + self._replicas}
+        self._replicas += 1
         actor = GenerationActor.options(**placement.on_bundle(
             pg, 0, num_cpus=bundle.get("CPU", 1), num_gpus=bundle.get("GPU", 0),
             runtime_env={"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}})).remote(
@@ -142,9 +143,12 @@ class RolloutServer:
         with self._lock:
             wid = worker_id or list(self.generators)[-1]
             g = self.generators[wid]
-            g["draining"] = True
+            g["draining"] = True                 # under the lock: _dispatch sends it no more work
         deadline = time.time() + (timeout_s or self.timeout)
-        while g.get("inflight") is not None and time.time() < deadline:
+        while time.time() < deadline:
+            with self._lock:
+                if g.get("inflight") is None:
+                    break
             time.sleep(0.1)
         _get(self.hub.unregister_worker.remote(wid), self.timeout, "rollout queue")  # requeues leases
         ray.kill(g["actor"], no_restart=True)
@@ -205,9 +209,12 @@ class RolloutServer:
             with self._lock:
                 pool = [(w, g) for w, g in self.generators.items() if g["ready"] and not g["draining"]]
             now = time.time()
+            max_staleness = self._max_staleness()
             for wid, g in pool:
-                if g.get("inflight") is None and idle_until.get(wid, 0) <= now:
-                    ref = g["actor"].work.remote(self.prompts_per_call, self._max_staleness())
+                with self._lock:                 # remove_generator may have begun draining it
+                    if g["draining"] or g.get("inflight") is not None or idle_until.get(wid, 0) > now:
+                        continue
+                    ref = g["actor"].work.remote(self.prompts_per_call, max_staleness)
                     g["inflight"], inflight[ref] = ref, wid
             self._adopt_pending()
             if inflight:

@@ -18,8 +18,7 @@ cannot end before the pool has changed):
 test_cluster_yaml_is_a_valid_autoscaler_config checks launch/cluster.yaml (the AWS version of
 this layout) the way `ray up` would before launching anything.
 
-Which replica made a batch: rollouts do not record it, so the test starts replicas from a
-thin subclass of GenerationActor that writes Rollout.info["worker_id"] (see _tagging_actor).
+Which replica made a batch: GenerationActor records it in Rollout.info["worker_id"].
 
 The cluster is started with `ray start --head --block` in its own session, on its own ports and
 temp dir, and stopped by signalling only that session's processes: never `ray stop`, which
@@ -250,29 +249,6 @@ def fake_cluster(request):
 
 # -- helpers --------------------------------------------------------------------------------------
 
-def _tagging_actor():
-    """GenerationActor, but every rollout it makes records Rollout.info["worker_id"] (rollouts do
-    not say which replica made them). Built from the undecorated class (Ray private attributes);
-    drop it once GenerationActor.work stamps the worker id itself."""
-    from actors import generation
-    base = generation.GenerationActor.__ray_metadata__.modified_class.__ray_actor_class__
-
-    class TaggingGenerationActor(base):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            generate, wid = self.gen.generate, self.worker_id
-
-            def tagged(items):
-                batches = generate(items)
-                for b in batches:
-                    for r in b:
-                        r.info["worker_id"] = wid
-                return batches
-            self.gen.generate = tagged
-
-    return ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=4)(TaggingGenerationActor)
-
-
 def train_loop(worker):
     """As in test_async: one optimizer step and one weight sync per pull, until the queue is
     finished. Records, per batch, (uid, its policy_version, the replica that made it)."""
@@ -325,12 +301,10 @@ def test_cluster_yaml_is_a_valid_autoscaler_config():
     assert any('pip install -q -e ".[gpu]"' in c for c in full["setup_commands"])
 
 
-def test_generation_pool_scales_up_from_zero_and_down(fake_cluster, tiny_model, monkeypatch):
-    from actors import generation
+def test_generation_pool_scales_up_from_zero_and_down(fake_cluster, tiny_model):
     from actors.training import start_trainers
     from minirl.async_rl import RolloutServer
 
-    monkeypatch.setattr(generation, "GenerationActor", _tagging_actor())
     t_start = time.time()
     task = get_task("succ")
     prompts, answers = task.sample(3 * PHASE, seed=7)

@@ -57,9 +57,12 @@ def gpu_model(tmp_path_factory) -> str:
 def gpu_wm(gpu_model):
     """One WeightManager on cuda:0 (bf16 engine in sleep mode, FSDP2 trainer with fp32 master
     weights) for every test here: vLLM allows one sleep-enabled engine per process."""
-    from minirl.colocated import WeightManager
+    from minirl.colocated import WeightManager, WeightManagerConfig
     lr = float(os.environ.get("MINIRL_GPU_LR", 1e-3 if gpu_shape() == "tiny" else 1e-4))
+    # sleep_level=2 explicitly: the default would keep this small model resident, and these
+    # tests are about the sleep / wake / reload path.
     wm = WeightManager(gpu_model, lr=lr, enforce_eager=True, max_model_len=256,
+                       config=WeightManagerConfig(sleep_level=2),
                        gpu_memory_utilization=float(os.environ.get("MINIRL_GPU_UTIL", 0.3)))
     yield wm
     wm.close()
