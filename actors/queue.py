@@ -125,8 +125,14 @@ class RolloutQueueActor:
 
     # -- the hub's own methods (non-blocking) ----------------------------------------------------
 
-    async def add_prompts(self, items: list[PromptItem]) -> None:
-        return await self._apply(self.hub.add_prompts, items)
+    async def add_prompts(self, items: list[PromptItem], skip_known: bool = False) -> int:
+        return await self._apply(lambda: self.hub.add_prompts(items, skip_known=skip_known))
+
+    async def snapshot(self) -> dict:
+        return self.hub.snapshot()
+
+    async def restore(self, delivered: list, buffered: list) -> None:
+        return await self._apply(self.hub.restore, delivered, buffered)
 
     async def close_prompts(self) -> None:
         return await self._apply(self.hub.close_prompts)

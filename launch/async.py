@@ -14,6 +14,7 @@ import argparse
 import json
 import random
 import time
+from pathlib import Path
 
 import ray
 import torch
@@ -25,9 +26,9 @@ from minirl.core import approx_kl, clip_fraction
 from minirl.tasks import get_task
 
 
-def train(args, worker: TrainWorker, log):
+def train(args, worker: TrainWorker, log, ckpt=None, start=1):
     """The loop: take rollouts generated elsewhere, train, push weights. User code."""
-    for step, batches in enumerate(worker.pull_rollouts(), 1):   # <= max_staleness versions old
+    for step, batches in enumerate(worker.pull_rollouts(), start):   # <= max_staleness versions old
         t1 = time.perf_counter()
         model, optimizer = worker.model, worker.optimizer
         for b in batches:
@@ -56,6 +57,8 @@ def train(args, worker: TrainWorker, log):
                    "clip_frac": clipfrac, "approx_kl": kl, "policy_version": worker.policy_version,
                    "staleness": staleness, "time/train": t2 - t1,
                    **{f"sync/{k}": v for k, v in worker.timings.items()}})
+        if ckpt is not None and step % args.save_every == 0:
+            worker.save_checkpoint(ckpt, step)
 
 
 def parse_args(argv=None):
@@ -78,6 +81,9 @@ def parse_args(argv=None):
     p.add_argument("--generators", type=int, default=1)
     p.add_argument("--max-staleness", type=int, default=1)
     p.add_argument("--transport", default="object_store", choices=["object_store", "collective"])
+    p.add_argument("--save-every", type=int, default=0, metavar="K",
+                   help="checkpoint every K steps into RUN_DIR/checkpoints (0: never)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--gen-resources", default=None, type=json.loads,
                    help='one replica\'s bundle, e.g. \'{"CPU": 1, "GPU": 1, "gen_pool": 1}\'')
     p.add_argument("--max-model-len", type=int, default=256)
@@ -94,20 +100,25 @@ def server(args, model):
                         queue_size=args.prompts * (args.max_staleness + 1), resources=args.gen_resources,
                         seed=args.seed, llm_kwargs={"max_model_len": args.max_model_len,
                                                     "enforce_eager": True})
-    srv.submit(prompts, metadata=answers)
+    if args.resume:                      # prompts trained before the checkpoint never come back
+        print("restored:", srv.restore(Path(args.run_dir) / "checkpoints"))
+    srv.submit(prompts, metadata=answers, skip_known=args.resume)
     return srv
 
 
 def trainer(args, model):
     """The training side: pull, train, sync; metrics and the reward curve on rank 0."""
-    from pathlib import Path
+    from minirl.checkpoint import Checkpointer
     from minirl.tracking import Tracker, plot_metrics
     cfg = WeightManagerConfig(seed=args.seed)
     worker = TrainWorker(model, args.queue, lr=args.lr, config=cfg, batch_size=args.prompts,
                          max_staleness=args.max_staleness, transport=args.transport)
+    ckpt = Checkpointer(Path(args.run_dir) / "checkpoints") if args.save_every or args.resume else None
+    start = worker.load_checkpoint(ckpt)["step"] + 1 if args.resume else 1
     backends = tuple(b for b in args.backends.split(",") if b)
     with Tracker(args.run_dir, backends=backends, total_steps=args.steps, config=vars(args)) as tracker:
-        train(args, worker, lambda step, metrics: tracker.log(metrics, step))
+        train(args, worker, lambda step, metrics: tracker.log(metrics, step),
+              ckpt if args.save_every else None, start)
     if worker.rank.rank == 0:
         print("reward curve:", plot_metrics(Path(args.run_dir) / "metrics.jsonl",
                                             Path(args.run_dir) / "reward_curve.png"))
@@ -117,7 +128,6 @@ def trainer(args, model):
 
 
 if __name__ == "__main__":
-    from pathlib import Path
     from minirl.tiny import build_tiny_model
     args = parse_args()
     model = args.model or str(build_tiny_model(Path(args.run_dir) / "tiny-model"))

@@ -24,12 +24,14 @@ from minirl.core import approx_kl, clip_fraction
 from minirl.tasks import get_task
 
 
-def train(args, wm: WeightManager, log):
+def train(args, wm: WeightManager, log, ckpt=None, start=1):
     """The loop: generate with the latest weights, score, train. One screen, user code."""
     task, rank = get_task(args.task), wm.rank.rank
-    sampling = SamplingParams(n=args.group_size, temperature=1.0, max_tokens=args.max_tokens, logprobs=0)
-    for step in range(1, args.steps + 1):
-        prompts, answers = task.sample(args.prompts, seed=(args.seed * 1000 + step) * 64 + rank)
+    for step in range(start, args.steps + 1):
+        seed = (args.seed * 1000 + step) * 64 + rank            # prompts and samples depend on
+        prompts, answers = task.sample(args.prompts, seed=seed)  # the step only: exact resume
+        sampling = [SamplingParams(n=args.group_size, temperature=1.0, max_tokens=args.max_tokens,
+                                   logprobs=0, seed=seed * 1000 + i) for i in range(len(prompts))]
         t0 = time.perf_counter()
         llm = wm.as_vllm()                                      # syncs weights if they changed
         outputs = llm.generate(prompts, sampling, use_tqdm=False)
@@ -60,6 +62,8 @@ def train(args, wm: WeightManager, log):
                    "clip_frac": clipfrac, "approx_kl": kl, "policy_version": wm.policy_version,
                    "time/generate": t1 - t0, "time/train": t2 - t1,
                    **{f"switch/{k}": v for k, v in wm.timings.items()}})
+        if ckpt is not None and step % args.save_every == 0:
+            wm.save_checkpoint(ckpt, step)
 
 
 def parse_args(argv=None):
@@ -79,6 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--no-sync", action="store_true", help="ablation: never load trained weights into vLLM")
     p.add_argument("--no-verify", action="store_true", help="skip the per-sync probe check")
     p.add_argument("--ray", type=int, default=0, metavar="N", help="run on N Ray actors (SPMD)")
+    p.add_argument("--save-every", type=int, default=0, metavar="K",
+                   help="checkpoint every K steps into RUN_DIR/checkpoints (0: never)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--max-model-len", type=int, default=256)
     return p.parse_args(argv)
 
@@ -86,6 +93,7 @@ def parse_args(argv=None):
 def run(args):
     """Build the WeightManager (and the tiny model if none was given), train, plot."""
     from pathlib import Path
+    from minirl.checkpoint import Checkpointer
     from minirl.tiny import build_tiny_model
     from minirl.tracking import Tracker, plot_metrics
 
@@ -93,6 +101,8 @@ def run(args):
     cfg = WeightManagerConfig(seed=args.seed, sync_weights=not args.no_sync, verify_sync=not args.no_verify)
     wm = WeightManager(model, lr=args.lr, config=cfg, max_model_len=args.max_model_len,
                        enforce_eager=True)
+    ckpt = Checkpointer(Path(args.run_dir) / "checkpoints") if args.save_every or args.resume else None
+    start = wm.load_checkpoint(ckpt)["step"] + 1 if args.resume else 1
     backends = tuple(b for b in args.backends.split(",") if b)
     with Tracker(args.run_dir, backends=backends, total_steps=args.steps, config=vars(args)) as tracker:
         def log(step, metrics):   # average over ranks, then rank 0 writes
@@ -106,7 +116,7 @@ def run(args):
             v = torch.tensor([float(metrics[k]) for k in keys], device=wm.device)
             dist.all_reduce(v)
             tracker.log(dict(zip(keys, (v / dist.get_world_size()).tolist())), step)
-        train(args, wm, log)
+        train(args, wm, log, ckpt if args.save_every else None, start)
     if wm.rank.rank == 0:
         print("reward curve:", plot_metrics(Path(args.run_dir) / "metrics.jsonl",
                                             Path(args.run_dir) / "reward_curve.png"))

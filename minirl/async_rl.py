@@ -37,6 +37,7 @@ import os
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import ray
@@ -47,7 +48,7 @@ from minirl.colocated import (WeightManagerConfig, _check_model_path, _precision
                               model_identity)
 from minirl.distributed import free_port, init_distributed
 from minirl.hub import PromptItem
-from minirl.weights import full_weight_buckets
+from minirl.weights import bucket_layout, full_weight_buckets
 
 NAMESPACE = "minirl"
 
@@ -62,6 +63,14 @@ def _get(ref, timeout_s: float, what: str):
         return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError as e:
         raise TimeoutError(f"{what} did not answer within {timeout_s} s") from e
+
+
+def _by_dtype(layout):
+    """[(name, shape, dtype)] -> BucketMeta groups [(dtype, [(name, shape)])], first-seen order."""
+    by: dict[str, list] = {}
+    for name, shape, dtype in layout:
+        by.setdefault(str(dtype), []).append((name, shape))
+    return list(by.items())
 
 
 def _padding(batch):
@@ -160,8 +169,10 @@ class RolloutServer:
     # -- running -----------------------------------------------------------------------------
 
     def submit(self, prompts: list, *, metadata: list | None = None, uids: list | None = None,
-               close: bool = True) -> None:
-        """Add prompts (text or token-id lists) to the queue's pool; close=True says no more come."""
+               close: bool = True, skip_known: bool = False) -> int:
+        """Add prompts (text or token-id lists) to the queue's pool; close=True says no more come.
+        skip_known: skip uids the queue already knows (after restore(): the whole dataset can be
+        submitted again). Returns how many were added."""
         if metadata is not None and len(metadata) != len(prompts):
             raise ValueError(f"{len(metadata)} metadata entries for {len(prompts)} prompts")
         if uids is not None and len(uids) != len(prompts):
@@ -169,9 +180,25 @@ class RolloutServer:
         items = [PromptItem(uid=i if uids is None else uids[i], prompt=p,
                             metadata=None if metadata is None else metadata[i])
                  for i, p in enumerate(prompts)]
-        _get(self.hub.add_prompts.remote(items), self.timeout, "rollout queue")
+        added = _get(self.hub.add_prompts.remote(items, skip_known), self.timeout, "rollout queue")
         if close:
             _get(self.hub.close_prompts.remote(), self.timeout, "rollout queue")
+        return added
+
+    def restore(self, checkpoint) -> dict:
+        """Resume the prompt bookkeeping of a checkpointed async run (TrainWorker.save_checkpoint):
+        prompts trained before it are never issued again, the rollouts it had queued go back in
+        the queue. Call before submit(..., skip_known=True). `checkpoint`: a checkpoint directory
+        (or a Checkpointer root: its latest)."""
+        from minirl.checkpoint import Checkpointer, read_state
+        path = Checkpointer(checkpoint).latest() if not (Path(checkpoint) / "state.json").exists() else checkpoint
+        if path is None:
+            raise FileNotFoundError(f"no complete checkpoint under {checkpoint}")
+        ck = read_state(path)
+        trained = ck["state"]["trained_uids"]
+        queued = ck["objects"].get("queue", {}).get("buffered", [])
+        _get(self.hub.restore.remote(trained, queued), self.timeout, "rollout queue")
+        return {"path": ck["path"], "trained": len(trained), "queued": len(queued)}
 
     def run(self, prompts: list | None = None, *, metadata=None, uids=None, timeout_s: float | None = None,
             block: bool = True) -> dict:
@@ -267,6 +294,33 @@ class RolloutServer:
             self._staleness_cache = (cfg.get("max_staleness"), time.time())
         return self._staleness_cache[0]
 
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _compat(self) -> dict:
+        from minirl.checkpoint import tokenizer_hash
+        return {"model": model_identity(self.path), "tokenizer": tokenizer_hash(self.path),
+                "mixed_precision": self.config.mixed_precision, "optimizer": "AdamW"}
+
+    def save_checkpoint(self, ckpt, step: int, *, state: dict | None = None, export_hf: bool = False):
+        """Save trainer, optimizer, RNG, policy version, the prompts trained so far and what the
+        queue holds (queued rollouts, prompts in flight). Call right after sync_weights() at the
+        end of a step. Collective over the training ranks."""
+        queue = _get(self.hub.snapshot.remote(), self.sync_timeout, "rollout queue") if self.rank.rank == 0 else {}
+        state = {"policy_version": self.policy_version, "trained_uids": self.trained_uids,
+                 "in_flight": [it.uid for it in queue.get("in_flight", [])], **(state or {})}
+        return ckpt.save(step, self.model, self.optimizer, state=state, compat=self._compat(),
+                         objects={"queue": queue}, hf_from=self.path if export_hf else None)
+
+    def load_checkpoint(self, ckpt, path=None) -> dict:
+        """Restore trainer, optimizer, RNG, policy version and trained prompts (the latest
+        checkpoint by default), then push the restored weights to the generators. The queue's
+        side is RolloutServer.restore(). Raises CheckpointError for another model/tokenizer."""
+        out = ckpt.load(self.model, self.optimizer, path=path, compat=self._compat())
+        self.trained_uids = list(out["state"]["trained_uids"])
+        self.policy_version = out["state"]["policy_version"] - 1
+        self.sync_weights()                   # back to the saved version, on every generator
+        return out
+
     def queue_stats(self) -> dict:
         return _get(self.hub.stats.remote(), self.timeout, "rollout queue")
 
@@ -321,6 +375,7 @@ class TrainWorker:
             _get(self.hub.set_config.remote(max_staleness=max_staleness), sync_timeout_s, "rollout queue")
         self.timings: dict[str, float] = {}
         self.stats = {"batches": 0, "waited_s": 0.0}
+        self.trained_uids: list = []    # every prompt pulled for training (exactly once), in order
         self._group, self._group_members = None, ()
         self._refs: list = []
 
@@ -349,6 +404,7 @@ class TrainWorker:
                 return
             if len(got) % world:        # last pull: pad so every rank trains on as many batches
                 got = got + [_padding(got[0])] * (world - len(got) % world)
+            self.trained_uids += [b.uid for b in got if b.uid is not None]
             mine = got[self.rank.rank::world]
             for b in mine:
                 for r in b:
@@ -416,11 +472,10 @@ class TrainWorker:
             _get(joins, self.sync_timeout, "generators joining the broadcast group")
             self._group_members = members
         t["group_s"] = time.perf_counter() - t0
-        buckets = list(buckets)
-        metas = [BucketMeta.of(b) for b in buckets]
+        metas = [BucketMeta(_by_dtype(layout)) for layout in bucket_layout(self.model, dtype=self.compute_dtype)]
         acks = {w: gens[w].recv_broadcast.remote(self.policy_version, metas) for w in members}
         t1 = time.perf_counter()
-        sent = sum(self._group.send(b) for b in buckets)
+        sent = sum(self._group.send(b) for b in buckets)      # one bucket gathered at a time
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         t["broadcast_s"] = time.perf_counter() - t1
@@ -444,6 +499,33 @@ class TrainWorker:
         t["acks_s"] = time.perf_counter() - t0
         t["generators"] = float(len(loads))
         t["gen_load_s"] = max(loads) if loads else 0.0
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _compat(self) -> dict:
+        from minirl.checkpoint import tokenizer_hash
+        return {"model": model_identity(self.path), "tokenizer": tokenizer_hash(self.path),
+                "mixed_precision": self.config.mixed_precision, "optimizer": "AdamW"}
+
+    def save_checkpoint(self, ckpt, step: int, *, state: dict | None = None, export_hf: bool = False):
+        """Save trainer, optimizer, RNG, policy version, the prompts trained so far and what the
+        queue holds (queued rollouts, prompts in flight). Call right after sync_weights() at the
+        end of a step. Collective over the training ranks."""
+        queue = _get(self.hub.snapshot.remote(), self.sync_timeout, "rollout queue") if self.rank.rank == 0 else {}
+        state = {"policy_version": self.policy_version, "trained_uids": self.trained_uids,
+                 "in_flight": [it.uid for it in queue.get("in_flight", [])], **(state or {})}
+        return ckpt.save(step, self.model, self.optimizer, state=state, compat=self._compat(),
+                         objects={"queue": queue}, hf_from=self.path if export_hf else None)
+
+    def load_checkpoint(self, ckpt, path=None) -> dict:
+        """Restore trainer, optimizer, RNG, policy version and trained prompts (the latest
+        checkpoint by default), then push the restored weights to the generators. The queue's
+        side is RolloutServer.restore(). Raises CheckpointError for another model/tokenizer."""
+        out = ckpt.load(self.model, self.optimizer, path=path, compat=self._compat())
+        self.trained_uids = list(out["state"]["trained_uids"])
+        self.policy_version = out["state"]["policy_version"] - 1
+        self.sync_weights()                   # back to the saved version, on every generator
+        return out
 
     def queue_stats(self) -> dict:
         return _get(self.hub.stats.remote(), self.sync_timeout, "rollout queue")

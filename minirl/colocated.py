@@ -259,6 +259,7 @@ class WeightManager:
         self._cycle: dict[str, float] = {}
         self.last_probe_gap: float | None = None
         self._dirty = False
+        self._reload = False          # engine must reload the trainer's weights (no new version)
         self._mode = "generate"
         self._closed = False
         self._expected = vc.expected_weight_names(self.llm)
@@ -277,7 +278,7 @@ class WeightManager:
         Sets the policy version and device that parse_vllm_outputs stamps on Rollouts.
         """
         self._check_open()
-        if self._mode == "train":
+        if self._mode == "train" or self._dirty or self._reload:
             t = {}
             self.optimizer.zero_grad(set_to_none=True)
             asleep = self.device.type == "cuda" and self._vc.is_sleeping(self.llm)
@@ -287,8 +288,9 @@ class WeightManager:
             if asleep:
                 with _timer(t, "wake_weights_s", self.device):
                     self._vc.wake(self.llm, ["weights"])
-            if self.config.sync_weights and (asleep or self._dirty):
+            if self.config.sync_weights and (asleep or self._dirty or self._reload):
                 self._sync(t)
+            self._reload = False
             if asleep:
                 with _timer(t, "wake_kv_s", self.device):
                     self._vc.wake(self.llm, ["kv_cache"])
@@ -315,8 +317,34 @@ class WeightManager:
         return self.model, self.optimizer
 
     def mark_dirty(self) -> None:
-        """Force a sync at the next as_vllm() (after changing weights without the optimizer)."""
+        """Force a sync (and a new policy version) at the next as_vllm(), after changing
+        weights without the optimizer."""
         self._dirty = True
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _compat(self) -> dict:
+        from minirl.checkpoint import tokenizer_hash
+        return {"model": model_identity(self.path), "tokenizer": tokenizer_hash(self.path),
+                "mixed_precision": self.config.mixed_precision, "optimizer": "AdamW"}
+
+    def save_checkpoint(self, ckpt, step: int, *, state: dict | None = None, export_hf: bool = False):
+        """ckpt.save(...) of the trainer, the policy version and `state` (JSON: e.g. the prompt
+        cursor). Collective. export_hf also writes the policy in HF format. Returns the path."""
+        # Weights stepped since the last sync are the next version's.
+        state = {"policy_version": self.policy_version + int(self._dirty), **(state or {})}
+        return ckpt.save(step, self.model, self.optimizer, state=state, compat=self._compat(),
+                         hf_from=self.path if export_hf else None)
+
+    def load_checkpoint(self, ckpt, path=None) -> dict:
+        """Restore trainer, optimizer, RNG and policy version from a checkpoint (the latest by
+        default); the engine gets the restored weights at the next as_vllm(). Raises
+        CheckpointError if it was made with another model, tokenizer or precision."""
+        out = ckpt.load(self.model, self.optimizer, path=path, compat=self._compat())
+        self.policy_version = out["state"]["policy_version"]
+        self._dirty, self._reload = False, True      # the loaded weights supersede any step taken
+        self.optimizer.zero_grad(set_to_none=True)
+        return out
 
     def close(self) -> None:
         """Shut the engine down, then the process group (if nothing else uses it)."""

@@ -66,11 +66,17 @@ class RolloutHub:
 
     # -- prompts ---------------------------------------------------------------------------------
 
-    def add_prompts(self, items: list[PromptItem]) -> None:
-        """Append prompts to the pending pool (all or none: a bad item adds nothing)."""
+    def add_prompts(self, items: list[PromptItem], *, skip_known: bool = False) -> int:
+        """Append prompts to the pending pool (all or none: a bad item adds nothing). With
+        skip_known, prompts whose uid the hub already knows (pending, leased, buffered or
+        delivered: e.g. restored from a checkpoint) are skipped instead of refused. Returns how
+        many were added."""
         if self._closed:
             raise ValueError("add_prompts after close_prompts: the prompt pool is closed")
         items = list(items)
+        if skip_known:
+            items = [it for it in items if not isinstance(it, PromptItem)
+                     or (it.uid not in self._items and it.uid not in self._delivered)]
         seen = set()
         for it in items:
             if not isinstance(it, PromptItem):
@@ -83,6 +89,28 @@ class RolloutHub:
         for it in items:
             self._items[it.uid] = replace(it)
             self._pending[it.uid] = None
+        return len(items)
+
+    # -- checkpoint / resume ---------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """What a checkpoint records of the queue: buffered batches with their prompts, and the
+        prompts pending or in flight (leased)."""
+        return {"buffered": [(replace(self._items[u]), b) for u, b in self._buffer.items()],
+                "in_flight": [replace(self._items[u]) for u in self._leases],
+                "pending": [replace(self._items[u]) for u in self._pending]}
+
+    def restore(self, delivered: list, buffered: list) -> None:
+        """Resume bookkeeping from a checkpoint: `delivered` uids were trained before it (never
+        issued again); `buffered` [(PromptItem, RolloutBatch)] were queued and go back into
+        the buffer as they were."""
+        for u in delivered:
+            self._delivered.add(u)
+        for item, batch in buffered:
+            if item.uid in self._items or item.uid in self._delivered:
+                raise ValueError(f"restore: prompt uid {item.uid!r} is already known to the queue")
+            self._items[item.uid] = replace(item)
+            self._buffer[item.uid] = batch
 
     def close_prompts(self) -> None:
         """No more prompts will come; finished() can become True."""

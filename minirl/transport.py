@@ -30,7 +30,9 @@ def pack_bucket(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, 
     """[(name, tensor)] -> [(name, dtype, numpy array)] on CPU, for ray.put."""
     out = []
     for name, t in bucket:
-        t = t.detach().cpu().contiguous()
+        # Always a copy: the bucket may alias FSDP's unsharded storage, which must stay
+        # resizable (a numpy view would pin it) and is freed once the next bucket is gathered.
+        t = t.detach().to("cpu", copy=True).contiguous()
         out.append((name, str(t.dtype), t.view(_VIEW.get(t.dtype, t.dtype)).numpy()))
     return out
 

@@ -33,6 +33,43 @@ def reshard(model: nn.Module) -> None:
             m.reshard()
 
 
+def _groups(model: nn.Module, bucket_bytes: int):
+    """[(fsdp_unit or None, [(hf_name, name_in_unit, param)])] in gather order: one group per
+    FSDP unit (each decoder layer, then the root's own parameters), or size-bounded groups for
+    plain modules. Call with the model resharded."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        groups, cur, size = [], [], 0
+        for name, p in model.named_parameters():
+            cur.append((hf_name(name), name, p))
+            size += p.numel() * p.element_size()
+            if size >= bucket_bytes:
+                groups.append((None, cur))
+                cur, size = [], 0
+        return groups + ([(None, cur)] if cur else [])
+    prefix = {id(m): name for name, m in model.named_modules()}
+    groups, inner = [], set()
+    for unit in units:
+        if unit is model:
+            continue
+        params = [(hf_name(f"{prefix[id(unit)]}.{n}"), n, p) for n, p in unit.named_parameters()]
+        inner |= {id(p) for *_, p in params}
+        groups.append((unit, params))
+    own = [(hf_name(n), n, p) for n, p in model.named_parameters() if id(p) not in inner]
+    if own:
+        groups.append((model if isinstance(model, FSDPModule) else None, own))
+    return groups
+
+
+def bucket_layout(model: nn.Module, *, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20
+                  ) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+    """The (name, full shape, dtype) of every tensor full_weight_buckets will yield, bucket by
+    bucket, without gathering anything (receivers of a broadcast allocate from it)."""
+    reshard(model)
+    return [[(h, tuple(p.shape), dtype or p.dtype) for h, _, p in params]
+            for _, params in _groups(model, bucket_bytes)]
+
+
 @torch.no_grad()
 def full_weight_buckets(model: nn.Module, *, dtype: torch.dtype | None = None,
                         bucket_bytes: int = 512 << 20, device: torch.device | None = None
@@ -54,36 +91,17 @@ def full_weight_buckets(model: nn.Module, *, dtype: torch.dtype | None = None,
             t = t.to(dtype)
         return t.to(device) if device is not None else t
 
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not units:
-        bucket, size = [], 0
-        for name, p in model.named_parameters():
-            bucket.append((hf_name(name), cast(p)))
-            size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
-        return
     reshard(model)
-    prefix = {id(m): name for name, m in model.named_modules()}
-    inner = [m for m in units if m is not model]
-    for unit in inner:
+    for unit, params in _groups(model, bucket_bytes):
+        if unit is None:
+            yield [(h, cast(p)) for h, _, p in params]
+            continue
         unit.unshard()
         try:     # the unit's unsharded storage is freed on reshard: use the bucket before next()
-            yield [(hf_name(f"{prefix[id(unit)]}.{n}"), cast(p)) for n, p in unit.named_parameters()]
+            live = dict(unit.named_parameters())       # now the unsharded tensors
+            yield [(h, cast(live[n])) for h, n, _ in params]
         finally:
             unit.reshard()
-    if isinstance(model, FSDPModule):        # the root's own parameters (embeddings, final norm)
-        model.unshard()
-        try:
-            bucket = [(hf_name(n), cast(p)) for n, p in model.named_parameters()
-                      if not isinstance(p, DTensor)]
-            if bucket:
-                yield bucket
-        finally:
-            model.reshard()
 
 
 def fingerprint(tensors) -> torch.Tensor:

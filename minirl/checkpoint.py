@@ -1,0 +1,216 @@
+"""Checkpoints: the policy in Hugging Face format, and the full training state for exact resume.
+
+    ckpt = Checkpointer("runs/x/checkpoints", keep=3)
+    ckpt.save(step, model, optimizer, state={"policy_version": v, ...}, compat={...}, hf_from=path)
+    state = ckpt.load(model, optimizer, compat={...})       # the latest complete checkpoint
+
+Layout of one checkpoint, runs/x/checkpoints/step_00000012/:
+    dcp/            model + optimizer state, sharded, torch.distributed.checkpoint (any world size)
+    rng_rank<r>.pt  python / numpy / torch (CPU and CUDA) generator states of each rank
+    state.json      step, caller's JSON state (policy version, prompt cursor...), compat
+    objects.pt      caller's other objects (e.g. the queued rollouts of an async run), rank 0
+    hf/             the policy as safetensors + config + tokenizer (optional): loads in
+                    transformers and vLLM as is; gathered to rank 0 only (one full copy per node)
+    MANIFEST.json   every file's size, written last
+
+Writes go to a hidden temporary directory renamed into place once complete, so a half-written
+checkpoint is never picked up; a checkpoint without a matching manifest is refused with a clear
+error. Only the newest `keep` complete checkpoints are kept. Collective: every training rank
+calls save / load. Hardware: any (gloo or NCCL process group, or a single process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is incomplete, corrupt, or does not fit the run resuming from it."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier():
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _rng_state() -> dict:
+    import numpy as np
+    s = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
+
+
+def _set_rng_state(s: dict) -> None:
+    import numpy as np
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def _manifest(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != "MANIFEST.json"}
+
+
+def verify(path: str | os.PathLike) -> Path:
+    """Raise CheckpointError unless `path` is a complete checkpoint whose files match its manifest."""
+    path = Path(path)
+    m = path / "MANIFEST.json"
+    if not m.exists():
+        raise CheckpointError(f"checkpoint {path} is incomplete (no MANIFEST.json): it was interrupted "
+                              "while being written; delete it, or resume from an earlier one")
+    try:
+        want = json.loads(m.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"checkpoint {path}: MANIFEST.json is corrupt ({e})") from e
+    have = _manifest(path)
+    missing = sorted(set(want) - set(have))
+    wrong = sorted(f for f in want if f in have and have[f] != want[f])
+    if missing or wrong:
+        raise CheckpointError(f"checkpoint {path} is corrupt: missing {missing[:3]}, wrong size {wrong[:3]}; "
+                              "delete it, or resume from an earlier one")
+    return path
+
+
+def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, tokenizer_from: str | None = None,
+              dtype: torch.dtype | None = None) -> None:
+    """Write the (FSDP2) model as a Hugging Face directory on rank 0: safetensors + config +
+    tokenizer (copied from `tokenizer_from`). Gathers the full state dict to rank 0's CPU only."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from minirl.weights import reshard
+    reshard(model)
+    full = dist.is_initialized()
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+    if _rank() != 0:
+        return
+    if dtype is None:
+        dtype = getattr(model.config, "torch_dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    sd = {k: v.to(dtype) for k, v in sd.items()}
+    model.save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
+    if tokenizer_from is not None:
+        from transformers import AutoTokenizer
+        AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(out_dir)
+
+
+class Checkpointer:
+    """Numbered checkpoints under `root`, the newest `keep` kept (see module docstring)."""
+
+    def __init__(self, root: str | os.PathLike, *, keep: int = 3):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.root, self.keep = Path(root), keep
+
+    def complete(self) -> list[Path]:
+        """Complete checkpoints, oldest first (directories being written are ignored)."""
+        if not self.root.exists():
+            return []
+        return sorted(p for p in self.root.glob("step_*") if (p / "MANIFEST.json").exists())
+
+    def latest(self) -> Path | None:
+        done = self.complete()
+        return done[-1] if done else None
+
+    def save(self, step: int, model, optimizer, *, state: dict | None = None, compat: dict | None = None,
+             objects: dict | None = None, hf_from: str | None = None) -> Path:
+        """Save everything for resume (and the HF policy when hf_from, the model's source
+        directory for config/tokenizer, is given). Collective. Returns the checkpoint path."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from minirl.weights import reshard
+        final = self.root / f"step_{step:08d}"
+        tmp = self.root / f".tmp_step_{step:08d}"
+        if _rank() == 0:
+            if final.exists():
+                raise CheckpointError(f"checkpoint {final} already exists")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        reshard(model)
+        msd, osd = get_state_dict(model, optimizer)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / "dcp"))
+        torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+        if hf_from is not None:
+            export_hf(model, tmp / "hf", tokenizer_from=hf_from)
+        _barrier()
+        if _rank() == 0:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            (tmp / "state.json").write_text(json.dumps({"step": step, "world_size": world,
+                                                        "state": state or {}, "compat": compat or {}}))
+            if objects:
+                torch.save(objects, tmp / "objects.pt")
+            (tmp / "MANIFEST.json").write_text(json.dumps(_manifest(tmp)))
+            os.replace(tmp, final)
+            for old in self.complete()[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+        return final
+
+    def load(self, model, optimizer, *, path: str | os.PathLike | None = None,
+             compat: dict | None = None) -> dict:
+        """Restore model, optimizer and RNG states from `path` (default: the latest complete
+        checkpoint). compat: what must match the saved run (model, tokenizer, settings); a
+        difference raises CheckpointError naming it. Returns {"step", "state", "objects", "path"}."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from minirl.weights import reshard
+        if path is None:
+            path = self.latest()
+            if path is None:
+                raise CheckpointError(f"no complete checkpoint under {self.root}")
+        path = verify(path)
+        meta = json.loads((path / "state.json").read_text())
+        saved = meta.get("compat", {})
+        diff = {k: (saved.get(k), v) for k, v in (compat or {}).items() if k in saved and saved[k] != v}
+        if diff:
+            raise CheckpointError(f"checkpoint {path} does not fit this run: "
+                                  + "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items()))
+        reshard(model)
+        msd, osd = get_state_dict(model, optimizer)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=str(path / "dcp"))
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        rng = path / f"rng_rank{_rank()}.pt"
+        if rng.exists():          # absent when resuming on more ranks than were saved
+            _set_rng_state(torch.load(rng, weights_only=False))
+        objects = path / "objects.pt"
+        return {"step": meta["step"], "state": meta["state"], "path": str(path),
+                "objects": torch.load(objects, weights_only=False) if objects.exists() else {}}
+
+
+def tokenizer_hash(model_dir: str) -> str | None:
+    """A short hash of a model directory's tokenizer files (None for hub names)."""
+    import hashlib
+    p = Path(model_dir)
+    if not p.is_dir():
+        return None
+    h = hashlib.sha1()
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                 "tokenizer.model", "special_tokens_map.json"):
+        if (p / name).exists():
+            h.update(name.encode() + (p / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def read_state(path: str | os.PathLike) -> dict:
+    """A checkpoint's {"step", "state", "objects"} without touching any model (e.g. for the
+    generation side of an async run, which only needs the prompt bookkeeping)."""
+    path = verify(path)
+    meta = json.loads((path / "state.json").read_text())
+    objects = path / "objects.pt"
+    return {"step": meta["step"], "state": meta["state"], "path": str(path),
+            "objects": torch.load(objects, weights_only=False) if objects.exists() else {}}
