@@ -20,7 +20,8 @@ from vllm import SamplingParams
 
 from minirl import WeightManager, clipped_policy_loss, collate, get_logprobs, parse_vllm_outputs
 from minirl.colocated import WeightManagerConfig
-from minirl.core import approx_kl, clip_fraction
+from minirl.core import (approx_kl, clip_fraction, entropy_from_logits, log_ratio_stats,
+                         masked_mean)
 from minirl.tasks import get_task
 
 
@@ -51,16 +52,23 @@ def train(args, wm: WeightManager, log, ckpt=None, start=1):
                 loss = clipped_policy_loss(lp, batch.old_logprobs, batch.advantages,
                                            mask=batch.loss_mask, clip_high=0.28)
                 optimizer.zero_grad(); loss.backward(); optimizer.step()
+                with torch.no_grad():
+                    entropy = masked_mean(entropy_from_logits(out.logits[:, :-1]), batch.loss_mask)
                 stats.append([loss.item(),
                               clip_fraction(lp, batch.old_logprobs, batch.advantages,
                                             mask=batch.loss_mask, clip_high=0.28).item(),
-                              approx_kl(lp, batch.old_logprobs, batch.loss_mask).item()])
+                              approx_kl(lp, batch.old_logprobs, batch.loss_mask).item(), entropy.item(),
+                              log_ratio_stats(lp, batch.old_logprobs, batch.loss_mask)["ratio_mean"]])
         t2 = time.perf_counter()
-        loss, clipfrac, kl = torch.tensor(stats).mean(0).tolist()
+        loss, clipfrac, kl, entropy, ratio = torch.tensor(stats).mean(0).tolist()
         rewards = torch.tensor([r.reward for r in all_rollouts])
+        adv = torch.tensor([r.advantage for r in all_rollouts])
+        tokens = sum(len(r.completion_ids) for r in all_rollouts)
         log(step, {"reward/mean": rewards.mean(), "reward/max": rewards.max(), "loss": loss,
-                   "clip_frac": clipfrac, "approx_kl": kl, "policy_version": wm.policy_version,
-                   "time/generate": t1 - t0, "time/train": t2 - t1,
+                   "clip_frac": clipfrac, "approx_kl": kl, "entropy": entropy, "ratio_mean": ratio,
+                   "adv/std": adv.std(), "adv/abs_mean": adv.abs().mean(),
+                   "len/completion": tokens / len(all_rollouts), "policy_version": wm.policy_version,
+                   "time/generate": t1 - t0, "time/train": t2 - t1, "tokens_per_s/generate": tokens / (t1 - t0),
                    **{f"switch/{k}": v for k, v in wm.timings.items()}})
         if ckpt is not None and step % args.save_every == 0:
             wm.save_checkpoint(ckpt, step)

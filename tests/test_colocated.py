@@ -177,3 +177,19 @@ def test_torchrun_two_ranks(tmp_path):
     rewards, rows = _rewards(tmp_path)
     assert len(rows) == 4 and rows[-1]["policy_version"] == 3     # every rank synced 3 times
     assert all(r["switch/probe_gap"] < 2e-3 for r in rows[1:])   # each rank's engine == shards
+
+
+def test_activation_checkpointing_gives_the_same_gradients(tiny_model, wm):
+    """load_fsdp_model(activation_checkpointing=True) recomputes layers in backward: same loss
+    and gradients as without (fp32, CPU), in the process group the session already has."""
+    from minirl.colocated import load_fsdp_model
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    grads = []
+    for ckpt in (False, True):
+        m = load_fsdp_model(tiny_model, wm.device, 1, torch.float32, activation_checkpointing=ckpt)
+        m.train()
+        loss = -get_logprobs(m(ids).logits, ids).mean()
+        loss.backward()
+        grads.append({n: p.grad.full_tensor().clone() for n, p in m.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6) for n in grads[0])
