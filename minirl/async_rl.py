@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from minirl.colocated import (WeightManagerConfig, _check_model_path, _precision, load_fsdp_model,
-                              model_identity)
+                              model_identity, resume_compat)
 from minirl.distributed import free_port, init_distributed
 from minirl.hub import PromptItem
 from minirl.weights import bucket_layout, full_weight_buckets
@@ -294,33 +294,6 @@ class RolloutServer:
             self._staleness_cache = (cfg.get("max_staleness"), time.time())
         return self._staleness_cache[0]
 
-    # -- checkpoints ---------------------------------------------------------------------------
-
-    def _compat(self) -> dict:
-        from minirl.checkpoint import tokenizer_hash
-        return {"model": model_identity(self.path), "tokenizer": tokenizer_hash(self.path),
-                "mixed_precision": self.config.mixed_precision, "optimizer": "AdamW"}
-
-    def save_checkpoint(self, ckpt, step: int, *, state: dict | None = None, export_hf: bool = False):
-        """Save trainer, optimizer, RNG, policy version, the prompts trained so far and what the
-        queue holds (queued rollouts, prompts in flight). Call right after sync_weights() at the
-        end of a step. Collective over the training ranks."""
-        queue = _get(self.hub.snapshot.remote(), self.sync_timeout, "rollout queue") if self.rank.rank == 0 else {}
-        state = {"policy_version": self.policy_version, "trained_uids": self.trained_uids,
-                 "in_flight": [it.uid for it in queue.get("in_flight", [])], **(state or {})}
-        return ckpt.save(step, self.model, self.optimizer, state=state, compat=self._compat(),
-                         objects={"queue": queue}, hf_from=self.path if export_hf else None)
-
-    def load_checkpoint(self, ckpt, path=None) -> dict:
-        """Restore trainer, optimizer, RNG, policy version and trained prompts (the latest
-        checkpoint by default), then push the restored weights to the generators. The queue's
-        side is RolloutServer.restore(). Raises CheckpointError for another model/tokenizer."""
-        out = ckpt.load(self.model, self.optimizer, path=path, compat=self._compat())
-        self.trained_uids = list(out["state"]["trained_uids"])
-        self.policy_version = out["state"]["policy_version"] - 1
-        self.sync_weights()                   # back to the saved version, on every generator
-        return out
-
     def queue_stats(self) -> dict:
         return _get(self.hub.stats.remote(), self.timeout, "rollout queue")
 
@@ -502,26 +475,24 @@ class TrainWorker:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def _compat(self) -> dict:
-        from minirl.checkpoint import tokenizer_hash
-        return {"model": model_identity(self.path), "tokenizer": tokenizer_hash(self.path),
-                "mixed_precision": self.config.mixed_precision, "optimizer": "AdamW"}
-
     def save_checkpoint(self, ckpt, step: int, *, state: dict | None = None, export_hf: bool = False):
         """Save trainer, optimizer, RNG, policy version, the prompts trained so far and what the
         queue holds (queued rollouts, prompts in flight). Call right after sync_weights() at the
         end of a step. Collective over the training ranks."""
-        queue = _get(self.hub.snapshot.remote(), self.sync_timeout, "rollout queue") if self.rank.rank == 0 else {}
+        queue = (_get(self.hub.snapshot.remote(), self.sync_timeout, "rollout queue")
+                 if self.rank.rank == 0 else {})
         state = {"policy_version": self.policy_version, "trained_uids": self.trained_uids,
                  "in_flight": [it.uid for it in queue.get("in_flight", [])], **(state or {})}
-        return ckpt.save(step, self.model, self.optimizer, state=state, compat=self._compat(),
-                         objects={"queue": queue}, hf_from=self.path if export_hf else None)
+        return ckpt.save(step, self.model, self.optimizer, state=state,
+                         compat=resume_compat(self.path, self.config), objects={"queue": queue},
+                         hf_from=self.path if export_hf else None)
 
     def load_checkpoint(self, ckpt, path=None) -> dict:
         """Restore trainer, optimizer, RNG, policy version and trained prompts (the latest
         checkpoint by default), then push the restored weights to the generators. The queue's
         side is RolloutServer.restore(). Raises CheckpointError for another model/tokenizer."""
-        out = ckpt.load(self.model, self.optimizer, path=path, compat=self._compat())
+        out = ckpt.load(self.model, self.optimizer, path=path,
+                        compat=resume_compat(self.path, self.config))
         self.trained_uids = list(out["state"]["trained_uids"])
         self.policy_version = out["state"]["policy_version"] - 1
         self.sync_weights()                   # back to the saved version, on every generator

@@ -110,6 +110,13 @@ def model_identity(model: str) -> str:
     return f"{p.name}@{h.hexdigest()[:12]}"
 
 
+def resume_compat(model: str, config: "WeightManagerConfig") -> dict:
+    """What a checkpoint must share with the run resuming from it."""
+    from minirl.checkpoint import tokenizer_hash
+    return {"model": model_identity(model), "tokenizer": tokenizer_hash(model),
+            "mixed_precision": config.mixed_precision, "optimizer": "AdamW"}
+
+
 def _precision(name: str, device: torch.device) -> torch.dtype:
     if name == "fp16":
         raise ValueError("mixed_precision='fp16' needs loss scaling, which minirl does not do: use 'bf16'")
@@ -324,9 +331,7 @@ class WeightManager:
     # -- checkpoints ---------------------------------------------------------------------------
 
     def _compat(self) -> dict:
-        from minirl.checkpoint import tokenizer_hash
-        return {"model": model_identity(self.path), "tokenizer": tokenizer_hash(self.path),
-                "mixed_precision": self.config.mixed_precision, "optimizer": "AdamW"}
+        return resume_compat(self.path, self.config)
 
     def save_checkpoint(self, ckpt, step: int, *, state: dict | None = None, export_hf: bool = False):
         """ckpt.save(...) of the trainer, the policy version and `state` (JSON: e.g. the prompt
