@@ -292,7 +292,6 @@ class WeightManager:
             if asleep:   # vLLM maps its memory directly: hand the trainer's cached blocks back
                 with _timer(t, "empty_cache_s", self.device):
                     torch.cuda.empty_cache()
-            if asleep:
                 with _timer(t, "wake_weights_s", self.device):
                     self._vc.wake(self.llm, ["weights"])
             if self.config.sync_weights and (asleep or self._dirty or self._reload):
