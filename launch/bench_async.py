@@ -64,19 +64,24 @@ def _allreduce_rank(rank, world, port, size_mb, out):
     dist.destroy_process_group()
 
 
-def part_allreduce(args):
+def _two_processes(target, size_mb):
+    """Run target(rank, 2, port, size_mb, queue) in two spawned processes; the result one puts."""
     import torch.multiprocessing as mp
     from minirl.distributed import free_port
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_allreduce_rank, args=(r, 2, port, args.allreduce_mb, q)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, 2, port, size_mb, q)) for r in range(2)]
     for p in procs:
         p.start()
     res = q.get(timeout=300)
     for p in procs:
         p.join(60)
     return res
+
+
+def part_allreduce(args):
+    return _two_processes(_allreduce_rank, args.allreduce_mb)
 
 
 def _broadcast_rank(rank, world, port, size_mb, out):
@@ -108,19 +113,8 @@ def _broadcast_rank(rank, world, port, size_mb, out):
 
 
 def part_broadcast(args):
-    import torch.multiprocessing as mp
-    from minirl.distributed import free_port
-    os.environ["BENCH_GPUS"] = str(args.gpus)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_broadcast_rank, args=(r, 2, port, args.allreduce_mb, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    res = q.get(timeout=300)
-    for p in procs:
-        p.join(60)
-    return res
+    os.environ["BENCH_GPUS"] = str(args.gpus)      # inherited by the spawned processes
+    return _two_processes(_broadcast_rank, args.allreduce_mb)
 
 
 # ---- async and co-located runs ------------------------------------------------------------------

@@ -33,12 +33,11 @@ Every wait has a timeout. Hardware: CPU or GPUs; a Ray cluster (ray.init() finds
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import ray
 import torch

@@ -1,6 +1,6 @@
 """Trainer-side weight gathering: FSDP2 shards -> full tensors in HF names, bucket by bucket.
 
-Every rank calls `full_weight_buckets` in the same order (each DTensor.full_tensor() is an
+Every rank calls `full_weight_buckets` in the same order (each FSDP unit's unshard() is an
 all-gather), so every rank ends up holding each full bucket, in turn, never the whole model.
 Plain (unsharded) modules work too. Pure torch; CPU or GPU.
 """
@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
