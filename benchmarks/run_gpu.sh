@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs whose results sit in benchmarks/results/ (one H200 machine with 2 GPUs, vLLM 0.22
 # from the wheel kit in ../shared/gpu, PYTHONPATH=/tmp/site:$PWD). One stage per call:
-#   bash benchmarks/run_gpu.sh tests|switch|async1|async2a|async2b|broadcast  OUT_DIR
+#   bash benchmarks/run_gpu.sh tests|switch|switch-4b|switch-0.6b|async1|async2a|async2b|broadcast  OUT_DIR
 set -uo pipefail
 stage=$1; out=${2:-benchmarks/results}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled VLLM_ENABLE_V1_MULTIPROCESSING=0
@@ -11,8 +11,12 @@ case "$stage" in
     python -c 'import torch, vllm, ray; print(torch.__version__, vllm.__version__, ray.__version__)' >> "$out/gpu_env.txt"
     CUDA_VISIBLE_DEVICES=0 MINIRL_RESULTS_DIR=$out timeout 300 python -m pytest tests/gpu -q -x 2>&1 | tail -20 | tee "$out/gpu_tests_tiny.log"
     CUDA_VISIBLE_DEVICES=0 MINIRL_GPU_SHAPE=qwen3-0.6b MINIRL_RESULTS_DIR=$out/q06 timeout 240 python -m pytest tests/gpu -q -x 2>&1 | tail -20 | tee "$out/gpu_tests_q06.log" ;;
-  switch)   # both shapes; minirl at sleep level 2 and resident (0), verify on/off; raw vLLM beside
-    CUDA_VISIBLE_DEVICES=0 python launch/bench_switch.py --shapes qwen3-0.6b,qwen3-4b --reps 4 --out "$out/switch_h200.json" ;;
+  switch)   # both shapes; minirl at sleep level 2 and resident (0), verify on/off; raw vLLM beside;
+            # generation timed in 2 interleaved rounds of fresh processes (raw, raw with minirl's
+            # engine settings, minirl), 3 calls each (~8 min per shape: one shape per call fits)
+    CUDA_VISIBLE_DEVICES=0 python launch/bench_switch.py --shapes qwen3-0.6b,qwen3-4b --reps 5 --out "$out/switch_h200.json" ;;
+  switch-4b|switch-0.6b)
+    CUDA_VISIBLE_DEVICES=0 python launch/bench_switch.py --shapes qwen3-${stage#switch-} --reps 5 --timeout 240 --out "$out/switch_h200_qwen3-${stage#switch-}.json" ;;
   async1)   # generation + training on fractional bundles of ONE GPU, object-store transport
     CUDA_VISIBLE_DEVICES=0 python launch/bench_async.py --shape qwen3-0.6b --gpus 1 --fraction 0.5 --parts async/object_store --steps 4 --max-tokens 64 --out "$out/async_h200_1gpu.json" ;;
   async2a)  python launch/bench_async.py --shape qwen3-0.6b --gpus 2 --parts allreduce,async/collective --steps 4 --max-tokens 64 --out "$out/async_h200_2gpu_a.json" ;;

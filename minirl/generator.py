@@ -74,7 +74,7 @@ class Generator:
         self.version = version
         return {"load_s": time.perf_counter() - t0}
 
-    def fingerprint(self) -> tuple[float, float]:
+    def fingerprint(self) -> int:
         return self._vc.fingerprint(self.llm)
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:

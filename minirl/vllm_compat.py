@@ -175,13 +175,12 @@ def expected_weight_names(llm: LLM) -> set[str]:
 
 
 @torch.no_grad()
-def fingerprint(llm: LLM) -> tuple[float, float]:
-    """(sum, sum of |x|) over the engine's float parameters, in float64: a cheap signature that
+def fingerprint(llm: LLM) -> int:
+    """A checksum of the bits of the engine's float parameters (minirl.weights.fingerprint):
     changes whenever a sync changes any visible parameter. (On CPU vLLM repacks linear weights
     out of sight; embeddings and norms still show.)"""
     from minirl.weights import fingerprint as fp
-    v = fp(p for p in get_model(llm).parameters() if p.numel() and p.is_floating_point())
-    return tuple(v.tolist())
+    return int(fp(p for p in get_model(llm).parameters() if p.numel() and p.is_floating_point()))
 
 
 def engine_dtype(llm: LLM) -> torch.dtype:

@@ -103,14 +103,15 @@ def full_weight_buckets(model: nn.Module, *, dtype: torch.dtype | None = None,
             unit.reshard()
 
 
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def fingerprint(tensors) -> torch.Tensor:
-    """(sum, sum of |x|) in float64 over tensors, as a 2-vector on their device: a cheap
-    signature that changes when any element does (no float64 copies are made)."""
-    out = None
-    for t in tensors:
-        v = torch.stack([t.sum(dtype=torch.float64), t.abs().sum(dtype=torch.float64)])
-        out = v if out is None else out + v
-    return out
+    """A checksum of the tensors' bits: the sum (mod 2**64) of every element's bit pattern read
+    as a signed integer, as an int64 scalar on their device. Changing any one element changes
+    it; one integer reduction per tensor, no copies (a float64 sum of bf16 was ~10x slower)."""
+    sums = [t.detach().view(_BITS[t.element_size()]).sum(dtype=torch.int64) for t in tensors]
+    return torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.int64)
 
 
 def bucket_fingerprint(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:

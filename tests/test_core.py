@@ -592,3 +592,15 @@ def test_loss_errors():
         clip_fraction(torch.zeros(2), torch.zeros(3), 1.0)
     with pytest.raises(ValueError, match="at least"):
         truncated_importance_weights(torch.zeros(2), torch.zeros(3))
+
+
+def test_fingerprint_is_a_bit_checksum():
+    from minirl.weights import fingerprint
+    # bf16 1.0 = 0x3F80 = 16256; fp32 1.0 = 0x3F800000 = 1065353216, -2.0 = 0xC0000000 = -2**30
+    assert fingerprint([torch.tensor([1.0], dtype=torch.bfloat16)]).item() == 16256
+    assert fingerprint([torch.tensor([1.0, -2.0])]).item() == 1065353216 - 2**30
+    w = torch.randn(64, 64, dtype=torch.bfloat16)
+    before = fingerprint([w, w.t()]).item()       # non-contiguous views need no copy
+    w[3, 5] += 0.01                               # one element moves
+    assert fingerprint([w, w.t()]).item() != before
+    assert fingerprint([]).item() == 0
