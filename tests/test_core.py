@@ -594,13 +594,20 @@ def test_loss_errors():
         truncated_importance_weights(torch.zeros(2), torch.zeros(3))
 
 
-def test_fingerprint_is_a_bit_checksum():
+def test_fingerprint_is_a_content_checksum():
+    import struct
     from minirl.weights import fingerprint
-    # bf16 1.0 = 0x3F80 = 16256; fp32 1.0 = 0x3F800000 = 1065353216, -2.0 = 0xC0000000 = -2**30
-    assert fingerprint([torch.tensor([1.0], dtype=torch.bfloat16)]).item() == 16256
-    assert fingerprint([torch.tensor([1.0, -2.0])]).item() == 1065353216 - 2**30
+    # Elements read as little-endian 64-bit words, leftovers at their own width: bf16 1.0 = 0x3F80
+    assert fingerprint([torch.tensor([1.0], dtype=torch.bfloat16)]).item() == 0x3F80
+    word = struct.unpack("<q", struct.pack("<ff", 1.0, -2.0))[0]          # 0xC00000003F800000
+    assert word == 0x3F800000 - (0x40000000 << 32)
+    assert fingerprint([torch.tensor([1.0, -2.0, 1.0])]).item() == word + 0x3F800000
     w = torch.randn(64, 64, dtype=torch.bfloat16)
-    before = fingerprint([w, w.t()]).item()       # non-contiguous views need no copy
-    w[3, 5] += 0.01                               # one element moves
-    assert fingerprint([w, w.t()]).item() != before
+    x = torch.randn(11, dtype=torch.bfloat16)
+    # The same contents give the same checksum whatever the layout (transposed, misaligned view)
+    assert fingerprint([w.t()]) == fingerprint([w.t().contiguous()])
+    assert fingerprint([x[1:]]) == fingerprint([x[1:].clone()])
+    before = fingerprint([w, x]).item()
+    w[3, 5] += 0.01                                                       # one element moves
+    assert fingerprint([w, x]).item() != before
     assert fingerprint([]).item() == 0
