@@ -12,8 +12,8 @@ case "$stage" in
     CUDA_VISIBLE_DEVICES=0 MINIRL_RESULTS_DIR=$out timeout 300 python -m pytest tests/gpu -q -x 2>&1 | tail -20 | tee "$out/gpu_tests_tiny.log"
     CUDA_VISIBLE_DEVICES=0 MINIRL_GPU_SHAPE=qwen3-0.6b MINIRL_RESULTS_DIR=$out/q06 timeout 240 python -m pytest tests/gpu -q -x 2>&1 | tail -20 | tee "$out/gpu_tests_q06.log" ;;
   switch)   # both shapes; minirl at sleep level 2 and resident (0), verify on/off; raw vLLM beside;
-            # generation timed in 2 interleaved rounds of fresh processes (raw, raw with minirl's
-            # engine settings, minirl), 3 calls each (~8 min per shape: one shape per call fits)
+            # then generation with raw, raw-with-minirl's-engine-settings and minirl engines alive
+            # side by side, calls alternating (ABBA), 6 cycles (~6-7 min per shape: one per call)
     CUDA_VISIBLE_DEVICES=0 python launch/bench_switch.py --shapes qwen3-0.6b,qwen3-4b --reps 5 --out "$out/switch_h200.json" ;;
   switch-4b|switch-0.6b)
     CUDA_VISIBLE_DEVICES=0 python launch/bench_switch.py --shapes qwen3-${stage#switch-} --reps 5 --timeout 240 --out "$out/switch_h200_qwen3-${stage#switch-}.json" ;;

