@@ -119,7 +119,10 @@ def fingerprint(tensors) -> torch.Tensor:
 def _content_sum(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().reshape(-1)                      # copies only a non-contiguous tensor
     per_word = 8 // flat.element_size()
-    if flat.storage_offset() % per_word:               # words must start 8-byte aligned
+    aligned = flat.storage_offset() % per_word == 0    # words must start 8-byte aligned
+    if aligned and flat.numel() % per_word == 0:       # nearly every weight: one reduction
+        return flat.view(torch.int64).sum()
+    if not aligned:
         flat = flat.clone()
     n = flat.numel() - flat.numel() % per_word
     tail = flat[n:].view(_BITS[flat.element_size()]).sum(dtype=torch.int64)
