@@ -107,7 +107,14 @@ def test_killed_generator_restarts_with_current_weights(ray_local, tiny_model):
     assert sorted(out["uids"]) == list(range(40))                   # none lost, none twice
     assert max(out["stale"]) <= 1
     assert stats["failures"] >= 1
-    info = ray.get(srv.generators[victim]["actor"].info.remote())
+    deadline = time.time() + 180                # the restart may still be under way: wait for it
+    while True:
+        try:
+            info = ray.get(srv.generators[victim]["actor"].info.remote(), timeout=60)
+            break
+        except ray.exceptions.ActorUnavailableError:
+            assert time.time() < deadline, "the killed generator did not come back within 180 s"
+            time.sleep(1)
     assert info["restarted"] and info["version"] == out["version"]  # back, with current weights
     srv.shutdown(remove_queue=True)
     ray.get(trainer.close.remote()); ray.kill(trainer); ray.util.remove_placement_group(pg)
