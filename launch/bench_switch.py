@@ -72,7 +72,8 @@ PROMPT_LEN = 64
 SIDES = ("raw", "raw_minirl_settings", "minirl")
 RAW_PARTS = ["sleep_s", "wake_weights_s", "load_s", "wake_kv_s", "reset_prefix_cache_s", "total_s"]
 MINIRL_PARTS = ["sleep_s", "wake_weights_s", "gather_s", "load_s", "wake_kv_s", "verify_s",
-                "fingerprint_s", "probe_engine_s", "probe_trainer_s", "probe_gap", "as_trainable_s", "as_vllm_s", "switch_s", "train_step_s"]
+                "fingerprint_s", "probe_engine_s", "probe_trainer_s", "probe_gap", "as_trainable_s",
+                "as_vllm_s", "switch_s", "train_step_s"]
 
 
 def log(msg: str) -> None:
@@ -362,6 +363,15 @@ def worker_raw(spec: dict, res: dict, save) -> None:
 
 # ---- worker: minirl ----------------------------------------------------------------------------
 
+def minirl_llm_kwargs(spec: dict, utilization: float) -> dict:
+    """The LLM kwargs the benchmark passes to WeightManager (the same as the raw engines get)."""
+    import torch
+    kw = dict(max_model_len=spec["max_model_len"], enforce_eager=spec["enforce_eager"], **spec["llm_kwargs"])
+    if torch.cuda.is_available():
+        kw["gpu_memory_utilization"] = utilization
+    return kw
+
+
 def worker_minirl(spec: dict, res: dict, save) -> None:
     import torch
     from minirl.colocated import WeightManager, WeightManagerConfig
@@ -370,9 +380,7 @@ def worker_minirl(spec: dict, res: dict, save) -> None:
     verifies = {"both": ["on", "off"], "on": ["on"], "off": ["off"]}[spec["verify"]]
     levels = [int(x) for x in str(spec.get("sleep_levels", "2")).split(",")] if cuda else [0]
     passes = [f"L{lv}-{v}" for lv in levels for v in verifies]
-    kw = dict(max_model_len=spec["max_model_len"], enforce_eager=spec["enforce_eager"], **spec["llm_kwargs"])
-    if cuda:
-        kw["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
+    kw = minirl_llm_kwargs(spec, spec["gpu_memory_utilization"])
     res.update(llm_kwargs=kw, passes={})
     t = {}
     with Clock(t, "startup_s"):
@@ -451,7 +459,6 @@ def worker_server(spec: dict, res: dict, save) -> None:
     trainer), "minirl" (WeightManager: `train_steps` train -> as_vllm() switches first, so the
     trainer holds weights, Adam state and cached blocks as in a real loop; every call goes
     through wm.as_vllm())."""
-    import torch
     reply_fd = spec["reply_fd"]
 
     def reply(msg: dict) -> None:
@@ -460,9 +467,7 @@ def worker_server(spec: dict, res: dict, save) -> None:
     side, util = spec["side"], spec["gen_gpu_memory_utilization"]
     if side == "minirl":
         from minirl.colocated import WeightManager
-        kw = dict(max_model_len=spec["max_model_len"], enforce_eager=spec["enforce_eager"], **spec["llm_kwargs"])
-        if torch.cuda.is_available():
-            kw["gpu_memory_utilization"] = util
+        kw = minirl_llm_kwargs(spec, util)
         t = {}
         with Clock(t, "startup_s"):
             wm = WeightManager(spec["path"], lr=1e-6, **kw)
