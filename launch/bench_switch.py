@@ -21,15 +21,19 @@ Generation throughput (N token-id prompts of 64 tokens x M new tokens, temperatu
 ignore_eos, logprobs=0, no detokenisation) is timed with every side's engine alive at once on
 the device, each a server process answering one timed generate call at a time: raw vLLM with
 its defaults, raw vLLM built with minirl's engine kwargs (external_launcher, processed
-log-probs; no trainer), and minirl through wm.as_vllm() after a few real train -> as_vllm()
-switches (trainer weights, Adam state and cached blocks resident). The calls alternate side by
-side in ABBA order for --gen-cycles cycles, so drift in the machine's speed hits every side
-alike; reported are each side's median and, per cycle, minirl's tok/s over the other side's.
-(Eager generation is bound by the host CPU and moves +-10-20% from one call to the next: one
-call per side, or sides timed minutes apart, settles nothing.)
+log-probs, sleep mode as minirl's; no trainer), and minirl through wm.as_vllm() at
+--gen-sleep-level after a few real train -> as_vllm() switches (trainer weights and Adam state
+resident). The calls alternate side by side in ABBA order for --gen-cycles cycles, so drift in
+the machine's speed hits every side alike; reported are each side's median and, per cycle,
+minirl's tok/s over the other side's, and the Python GC time inside each call. (Eager
+generation is bound by the host CPU and moves +-10-20% from one call to the next: one call per
+side, or sides timed minutes apart, settles nothing.) Three 4B engines and a 4B trainer do not
+fit on one H200 at the default 0.2 utilization each: use --raw-settings minirl there.
 
     python launch/bench_switch.py                                   # qwen3-0.6b and qwen3-4b
     python launch/bench_switch.py --shapes qwen3-4b --out $OUT/switch_h200_qwen3-4b.json
+    python launch/bench_switch.py --shapes qwen3-4b --no-switch --raw-settings minirl \
+        --gen-cycles 8 --out $OUT/gen_h200_qwen3-4b.json            # generation only
     python launch/bench_switch.py --shapes qwen3-0.6b --no-eager \\
         --llm-kwargs '{"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}'
     python launch/bench_switch.py --shapes tiny --prompts 16 --new-tokens 16 --reps 2 \\
@@ -266,9 +270,10 @@ def _state_dict_buckets(path: str, dtype, device, bucket_bytes: int = 512 << 20)
     return buckets
 
 
-def raw_engine(spec: dict, res: dict, settings: str = "default", utilization: float | None = None):
+def raw_engine(spec: dict, res: dict, settings: str = "default", utilization: float | None = None,
+               sleep: bool = True):
     """A plain vllm.LLM: with vLLM's defaults, or with the kwargs minirl gives its own engine
-    (external_launcher executor, processed log-probs)."""
+    (external_launcher executor, processed log-probs); sleep mode on CUDA if `sleep`."""
     import torch
     from minirl import vllm_compat as vc          # sets VLLM_ENABLE_V1_MULTIPROCESSING=0
     from vllm import LLM
@@ -281,10 +286,10 @@ def raw_engine(spec: dict, res: dict, settings: str = "default", utilization: fl
     if settings == "minirl":
         from minirl.distributed import init_distributed
         init_distributed()
-        kw = vc.engine_kwargs(kw, sleep=cuda, seed=0)
+        kw = vc.engine_kwargs(kw, sleep=cuda and sleep, seed=0)
     else:
         kw.update(seed=0)
-        if cuda:
+        if cuda and sleep:
             kw.update(enable_sleep_mode=True)
         else:
             kw.update(kv_cache_memory_bytes=vc.DEFAULT_CPU_KV_CACHE_BYTES)   # as minirl's engine
@@ -464,32 +469,53 @@ def worker_server(spec: dict, res: dict, save) -> None:
     def reply(msg: dict) -> None:
         os.write(reply_fd, (json.dumps(msg) + "\n").encode())
 
+    import torch
     side, util = spec["side"], spec["gen_gpu_memory_utilization"]
     if side == "minirl":
-        from minirl.colocated import WeightManager
+        from minirl.colocated import WeightManager, WeightManagerConfig
         kw = minirl_llm_kwargs(spec, util)
+        # A fixed sleep level (not minirl's own choice, which depends on what the other servers
+        # left free), mirrored by raw_minirl_settings: both engines get the same kwargs.
+        cfg = WeightManagerConfig(sleep_level=spec["gen_sleep_level"] if torch.cuda.is_available() else None)
         t = {}
         with Clock(t, "startup_s"):
-            wm = WeightManager(spec["path"], lr=1e-6, **kw)
+            wm = WeightManager(spec["path"], lr=1e-6, config=cfg, **kw)
         res.update(startup_s=t["startup_s"], llm_kwargs=kw, sleep_level=wm.sleep_level)
         step = TrainStep(spec)
         for _ in range(spec["train_steps"]):
             step(*wm.as_trainable())
             wm.as_vllm()
+        if torch.cuda.is_available():   # the engines share one device: hand back the trainer's
+            torch.cuda.empty_cache()    # cached blocks (alone on a device a loop would keep them)
         get_llm = wm.as_vllm
     else:
-        llm = raw_engine(spec, res, "minirl" if side == "raw_minirl_settings" else "default", util)
+        llm = raw_engine(spec, res, "minirl" if side == "raw_minirl_settings" else "default", util,
+                         sleep=spec["gen_sleep_level"] != 0)
         get_llm = lambda: llm   # noqa: E731
     prompts = make_prompts(spec["prompts"], spec["vocab_size"])
     tp, sp = generation_request(prompts, spec["new_tokens"])
     get_llm().generate(*generation_request(prompts[:8], 8), use_tqdm=False)     # warm-up
-    res.update(engine_facts(get_llm()), memory_ready=memory())
+    import gc
+    gc_time = {"s": 0.0, "full": 0}          # Python GC pauses inside each timed call
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_time["t0"] = time.perf_counter()
+        else:
+            gc_time["s"] += time.perf_counter() - gc_time["t0"]
+            gc_time["full"] += info["generation"] == 2
+    gc.callbacks.append(on_gc)
+    res.update(engine_facts(get_llm()), memory_ready=memory(), gc_tracked=len(gc.get_objects()),
+               gc_frozen=gc.get_freeze_count())
     save()
-    reply({"ready": True, **{k: res.get(k) for k in ("startup_s", "kv_cache_blocks", "sleep_level")}})
+    reply({"ready": True, **{k: res.get(k) for k in ("startup_s", "kv_cache_blocks", "sleep_level",
+                                                      "gc_tracked", "gc_frozen")}})
     for line in sys.stdin:
         if line.strip() == "quit":
             break
-        reply(timed_generate(get_llm(), tp, sp))
+        gc_time.update(s=0.0, full=0)
+        r = timed_generate(get_llm(), tp, sp)
+        reply({**r, "gc_s": round(gc_time["s"], 4), "gc_full": gc_time["full"]})
     res["memory_end"] = memory()
 
 
@@ -574,7 +600,7 @@ class GenServer:
         return json.loads(self.result_path.read_text()) if self.result_path.exists() else {}
 
     def stop(self) -> None:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError):     # ValueError: stopped before
             self.proc.stdin.write(b"quit\n")
             self.proc.stdin.close()
         try:
@@ -600,7 +626,7 @@ def paired_generation(spec: dict, sides: tuple[str, ...], cycles: int, timeout: 
                 for srv in servers if c % 2 == 0 else servers[::-1]:
                     r = {"cycle": c + 1, "side": srv.side, **srv.generate()}
                     out["calls"].append(r)
-                    log(f"cycle {c + 1}/{cycles}: {srv.side}: {r['tok_s']:.0f} tok/s")
+                    log(f"cycle {c + 1}/{cycles}: {srv.side}: {r['tok_s']:.0f} tok/s (gc {r.get('gc_s', 0):.3f} s, {r.get('gc_full', 0)} full)")
         except Exception as e:
             out["errors"].append(f"{type(e).__name__}: {e}")
             log(f"generation FAILED: {e}")
@@ -613,7 +639,9 @@ def paired_generation(spec: dict, sides: tuple[str, ...], cycles: int, timeout: 
     for base in [b for b in sides if b != "minirl"] if "minirl" in sides else []:
         ratios = [m / b for m, b in zip(tok["minirl"], tok[base])]     # call by call, same cycle
         out[f"minirl/{base}"] = ({"median": statistics.median(ratios), "min": min(ratios),
-                                  "max": max(ratios), "per_cycle": ratios} if ratios else None)
+                                  "max": max(ratios), "per_cycle": ratios,
+                                  "of_side_medians": statistics.median(tok["minirl"]) / statistics.median(tok[base])}
+                                 if ratios else None)
     return out
 
 
@@ -704,18 +732,24 @@ def markdown(doc: dict) -> str:
              "random tokens (excluded from the switch time). Both engines run in process "
              "(VLLM_ENABLE_V1_MULTIPROCESSING=0); minirl's also uses the external_launcher executor "
              "and logprobs_mode=processed_logprobs (raw: vLLM's defaults unless said).", "",
-             "## Generation (output tokens/s)", "",
-             f"All sides' engines alive at once on the device (gpu_memory_utilization="
-             f"{s.get('gen_gpu_memory_utilization')} each), one timed generate call per side per cycle, "
-             f"sides alternating in ABBA order, {s.get('gen_cycles')} cycles. Per side: median [min - max] "
-             "over its calls. minirl / X: the median over cycles of the ratio of that cycle's two calls "
-             "[min - max]. minirl made "
-             f"{s.get('gen_train_steps')} train -> as_vllm() switches before its first call. raw, same "
-             "settings: a plain vllm.LLM built with minirl's engine kwargs (external_launcher, processed "
-             "log-probs), no trainer.", "",
-             "| shape | raw vLLM (defaults) | raw vLLM, same settings | minirl (wm.as_vllm()) | "
-             "minirl / raw | minirl / raw same settings | KV blocks (raw / same / minirl) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             *([f"Note: {doc['note']}", ""] if doc.get("note") else [])]
+    lvl = s.get("gen_sleep_level")
+    gen_lines = [
+        "## Generation (output tokens/s)", "",
+        f"All sides' engines alive at once on the device (gpu_memory_utilization="
+        f"{s.get('gen_gpu_memory_utilization')} each), one timed generate call per side per cycle, "
+        f"sides alternating in ABBA order, {s.get('gen_cycles')} cycles. Per side: median [min - max] "
+        "over its calls. minirl / X: the median over cycles of the ratio of that cycle's two calls "
+        "[min - max], then (after ;) the ratio of the two sides' medians. minirl made "
+        f"{s.get('gen_train_steps')} train -> as_vllm() switches before its first call, then handed "
+        "its cached blocks back (torch.cuda.empty_cache(): the servers share one device). "
+        + (f"minirl's sleep level: {lvl}; the raw engines' sleep mode: {'off' if lvl == 0 else 'on'}. "
+           if lvl is not None else "minirl's sleep level: its own choice; the raw engines' sleep mode: on. ")
+        + "raw, same settings: a plain vllm.LLM built with minirl's engine kwargs (external_launcher, "
+        "processed log-probs), no trainer.", "",
+        "| shape | raw vLLM (defaults) | raw vLLM, same settings | minirl (wm.as_vllm()) | "
+        "minirl / raw | minirl / raw same settings | KV blocks (raw / same / minirl) |",
+        "|---|---:|---:|---:|---:|---:|---:|"]
     for rec in doc["results"]:
         gen = rec.get("generate") or {}
         cells, kv = [], []
@@ -725,28 +759,32 @@ def markdown(doc: dict) -> str:
             kv.append(_n((gen.get("servers", {}).get(side) or {}).get("kv_cache_blocks"), "{}"))
         for base in ("raw", "raw_minirl_settings"):
             r = gen.get(f"minirl/{base}")
-            cells.append(f"{r['median']:.3f} [{r['min']:.2f} - {r['max']:.2f}]" if r else "—")
-        lines.append(f"| {rec['shape']} | {' | '.join(cells)} | {' / '.join(kv)} |")
-    lines += ["", "## Switch (median seconds)", "",
-              "raw: sleep(2) -> wake(weights) -> load every weight in place -> wake(kv_cache) -> "
-              "reset_prefix_cache. minirl: as_trainable() + as_vllm() wall time (its parts from "
-              "wm.timings; gather includes the cast to the engine dtype).", "",
-              "verify = checksums of both sides' weights + the probe through vLLM + the probe "
-              "through the trainer (+ one all-reduce).", "",
-              "| shape | path | sleep | wake weights | gather | load | wake kv | verify | "
-              "(checksums / probe vLLM / probe trainer) | probe gap | total |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            cells.append(f"{r['median']:.3f} [{r['min']:.2f} - {r['max']:.2f}]; {r['of_side_medians']:.3f}"
+                         if r else "—")
+        if gen.get("calls"):
+            gen_lines.append(f"| {rec['shape']} | {' | '.join(cells)} | {' / '.join(kv)} |")
+    if len(gen_lines) > 6:        # some generation was timed
+        lines += gen_lines
+    sw = ["", "## Switch (median seconds)", "",
+          "raw: sleep(2) -> wake(weights) -> load every weight in place -> wake(kv_cache) -> "
+          "reset_prefix_cache. minirl: as_trainable() + as_vllm() wall time (its parts from "
+          "wm.timings; gather includes the cast to the engine dtype).", "",
+          "verify = checksums of both sides' weights + the probe through vLLM + the probe "
+          "through the trainer (+ one all-reduce).", "",
+          "| shape | path | sleep | wake weights | gather | load | wake kv | verify | "
+          "(checksums / probe vLLM / probe trainer) | probe gap | total |",
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for rec in doc["results"]:
         raw, mr = rec.get("raw") or {}, rec.get("minirl") or {}
         m = (raw.get("cycle_level2") or {}).get("median")
         if m:
-            lines.append(f"| {rec['shape']} | raw vLLM, level 2 + load | {_n(m['sleep_s'])} | "
-                         f"{_n(m['wake_weights_s'])} | — | {_n(m['load_s'])} | {_n(m['wake_kv_s'])} | — | — | — | "
-                         f"{_n(m['total_s'])} |")
+            sw.append(f"| {rec['shape']} | raw vLLM, level 2 + load | {_n(m['sleep_s'])} | "
+                      f"{_n(m['wake_weights_s'])} | — | {_n(m['load_s'])} | {_n(m['wake_kv_s'])} | — | — | — | "
+                      f"{_n(m['total_s'])} |")
         l1 = raw.get("level1_once")
         if l1:
-            lines.append(f"| {rec['shape']} | raw vLLM, level 1 (once) | {_n(l1['sleep_s'])} | "
-                         f"{_n(l1['wake_weights_s'])} | — | — | {_n(l1['wake_kv_s'])} | — | — | — | {_n(l1['total_s'])} |")
+            sw.append(f"| {rec['shape']} | raw vLLM, level 1 (once) | {_n(l1['sleep_s'])} | "
+                      f"{_n(l1['wake_weights_s'])} | — | — | {_n(l1['wake_kv_s'])} | — | — | — | {_n(l1['total_s'])} |")
         for verify, p in (mr.get("passes") or {}).items():
             m = p.get("median")
             if not m:
@@ -755,10 +793,12 @@ def markdown(doc: dict) -> str:
             parts = " / ".join(_n(m.get(k)) for k in ("fingerprint_s", "probe_engine_s", "probe_trainer_s"))
             parts = "—" if on == "off" else parts
             path = ("resident (no sleep)" if level == "L0" else f"sleep level {level[1:]}") + f", verify {on}"
-            lines.append(f"| {rec['shape']} | minirl, {path} | {_n(m['sleep_s'])} | "
-                         f"{_n(m['wake_weights_s'])} | {_n(m['gather_s'])} | {_n(m['load_s'])} | "
-                         f"{_n(m['wake_kv_s'])} | {_n(m['verify_s'])} | {parts} | {_n(m['probe_gap'], '{:.2g}')} | "
-                         f"{_n(m['switch_s'])} |")
+            sw.append(f"| {rec['shape']} | minirl, {path} | {_n(m['sleep_s'])} | "
+                      f"{_n(m['wake_weights_s'])} | {_n(m['gather_s'])} | {_n(m['load_s'])} | "
+                      f"{_n(m['wake_kv_s'])} | {_n(m['verify_s'])} | {parts} | {_n(m['probe_gap'], '{:.2g}')} | "
+                      f"{_n(m['switch_s'])} |")
+    if any(line.startswith("| ") and "| shape |" not in line for line in sw):   # not --no-switch
+        lines += sw
     errors = [(rec["shape"], e) for rec in doc["results"] for e in rec.get("errors", [])]
     if errors:
         lines += ["", "## Errors", ""] + [f"- {shape}: {e}" for shape, e in errors]
@@ -776,11 +816,16 @@ def parse_args(argv=None):
                    help="generation: cycles of one timed call per side, sides alternating (ABBA)")
     p.add_argument("--gen-gpu-memory-utilization", type=float, default=0.2,
                    help="each engine's share while the generation servers share the device")
+    p.add_argument("--gen-sleep-level", type=int, choices=[0, 1, 2], default=2,
+                   help="the minirl generation server's sleep level on CUDA; the raw engines get "
+                        "sleep mode on unless it is 0 (resident), so the kwargs match")
     p.add_argument("--gen-train-steps", type=int, default=2,
                    help="train -> as_vllm() switches the minirl server makes before generating")
     p.add_argument("--raw-settings", choices=["both", "default", "minirl"], default="both",
                    help="raw engine with vLLM's defaults, with minirl's engine settings "
                         "(external_launcher, processed log-probs), or both")
+    p.add_argument("--switch", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the switch (--no-switch: generation only)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                    help="enforce_eager (default; --no-eager: CUDA graphs, ~100 s more start-up per engine)")
@@ -820,7 +865,7 @@ def main(args) -> int:
     settings = {"prompts": args.prompts, "prompt_len": PROMPT_LEN, "new_tokens": args.new_tokens,
                 "reps": args.reps, "gen_cycles": args.gen_cycles,
                 "gen_gpu_memory_utilization": args.gen_gpu_memory_utilization if cuda else None,
-                "gen_train_steps": args.gen_train_steps,
+                "gen_train_steps": args.gen_train_steps, "gen_sleep_level": args.gen_sleep_level if cuda else None,
                 "raw_settings": args.raw_settings, "gpu_memory_utilization": args.gpu_memory_utilization if cuda else None,
                 "enforce_eager": args.eager, "llm_kwargs": args.llm_kwargs, "max_model_len": L,
                 "verify": args.verify,
@@ -855,13 +900,13 @@ def main(args) -> int:
         spec = {"path": m["path"], "vocab_size": m["vocab_size"], "max_model_len": L,
                 "prompts": args.prompts, "new_tokens": args.new_tokens, "reps": args.reps,
                 "gen_gpu_memory_utilization": args.gen_gpu_memory_utilization,
-                "train_steps": args.gen_train_steps,
+                "train_steps": args.gen_train_steps, "gen_sleep_level": args.gen_sleep_level,
                 "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.eager,
                 "llm_kwargs": args.llm_kwargs,
                 "engine_dtype": settings["engine_dtype"], "verify": args.verify,
                 "sleep_levels": args.sleep_levels, "train_batch": args.train_batch, "train_seq": args.train_seq,
                 "empty_cache": args.empty_cache, "cpu_threads": None if cuda else os.cpu_count()}
-        for kind in ("raw", "minirl"):          # the switch: each side alone on the device
+        for kind in ("raw", "minirl") if args.switch else ():   # the switch: each side alone
             log(f"{shape}: {kind} switch ...")
             res, err = run_worker(kind, spec, args.timeout)
             rec[kind] = res
