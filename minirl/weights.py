@@ -84,21 +84,64 @@ def full_weight_buckets(model: nn.Module, *, dtype: torch.dtype | None = None,
     Collective for FSDP2: call on every rank of the model's process group and consume every
     bucket.
     """
+    reshard(model)
+    yield from _gather(_groups(model, bucket_bytes), _caster(dtype, device))
+
+
+@torch.no_grad()
+def gather_during_forward(model: nn.Module, forward, on_bucket, *, dtype: torch.dtype | None = None,
+                          bucket_bytes: int = 512 << 20):
+    """Run `forward()` (a no-grad forward of `model`) and hand each FSDP unit's full parameters
+    to `on_bucket([(hf_name, tensor)])` while the forward has the unit unsharded: the forward's
+    own all-gathers serve the weight sync too, one unshard pass instead of two. Units the
+    forward did not run, and plain modules, are then gathered as full_weight_buckets does.
+    Every parameter goes to on_bucket exactly once, in full_weight_buckets' buckets (forward
+    order first); tensors may alias storage freed after on_bucket returns. Returns forward()'s
+    result and leaves the model resharded. Collective for FSDP2, like full_weight_buckets."""
+    cast = _caster(dtype)
+    reshard(model)
+    groups = _groups(model, bucket_bytes)
+    pending = {id(u): params for u, params in groups if u is not None}
+
+    def hook(unit, args, output):     # registered first: runs before FSDP's reshard-after-forward
+        params = pending.pop(id(unit), None)
+        if params is not None:
+            on_bucket(_bucket(unit, params, cast))
+
+    handles = [u.register_forward_hook(hook, prepend=True) for u, _ in groups if u is not None]
+    try:
+        out = forward()
+    finally:
+        for h in handles:
+            h.remove()
+        reshard(model)
+    for bucket in _gather([(u, p) for u, p in groups if u is None or id(u) in pending], cast):
+        on_bucket(bucket)
+    return out
+
+
+def _caster(dtype: torch.dtype | None, device: torch.device | None = None):
     def cast(t):
         t = t.detach()
         if dtype is not None:
             t = t.to(dtype)
         return t.to(device) if device is not None else t
+    return cast
 
-    reshard(model)
-    for unit, params in _groups(model, bucket_bytes):
+
+def _bucket(unit: nn.Module, params, cast) -> list[tuple[str, torch.Tensor]]:
+    live = dict(unit.named_parameters())       # the unit's unsharded tensors while it is unsharded
+    return [(h, cast(live[n])) for h, n, _ in params]
+
+
+def _gather(groups, cast) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    for unit, params in groups:
         if unit is None:
             yield [(h, cast(p)) for h, _, p in params]
             continue
         unit.unshard()
         try:     # the unit's unsharded storage is freed on reshard: use the bucket before next()
-            live = dict(unit.named_parameters())       # now the unsharded tensors
-            yield [(h, cast(live[n])) for h, n, _ in params]
+            yield _bucket(unit, params, cast)
         finally:
             unit.reshard()
 

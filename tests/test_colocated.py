@@ -43,7 +43,8 @@ def test_seed_loop_verbatim_then_sync(wm):
     assert torch.isfinite(loss)
     llm = wm.as_vllm()                                     # syncs: the optimizer stepped
     assert wm.policy_version == v0 + 1
-    assert wm.last_probe_gap < 2e-3 and {"gather_s", "load_s", "verify_s"} <= set(wm.timings)
+    assert wm.last_probe_gap < 2e-3 and {"load_s", "probe_trainer_s", "verify_s"} <= set(wm.timings)
+    assert "gather_s" not in wm.timings                    # the probe forward gathered
     batches = _rollouts(wm, seed=1)
     assert all(r.policy_version == v0 + 1 for b in batches for r in b)
     assert llm is wm.as_vllm()                             # no step -> no sync, same engine
@@ -193,3 +194,34 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_model, wm):
         grads.append({n: p.grad.full_tensor().clone() for n, p in m.named_parameters()})
     assert grads[0].keys() == grads[1].keys()
     assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6) for n in grads[0])
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_gather_during_forward_is_the_full_gather(tiny_model, wm, ckpt):
+    """The probe forward's own unshards deliver every weight, once, exactly as
+    full_weight_buckets does; the forward's result is untouched; units the forward skips are
+    gathered after it; the model ends resharded."""
+    from torch.distributed.fsdp import FSDPModule
+    from minirl.colocated import load_fsdp_model
+    from minirl.weights import full_weight_buckets, gather_during_forward, reshard
+    m = load_fsdp_model(tiny_model, wm.device, 1, torch.float32, activation_checkpointing=ckpt)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        expected = m(ids).logits
+    reshard(m)
+    ref = [[(n, t.clone()) for n, t in b] for b in full_weight_buckets(m, dtype=torch.bfloat16)]
+    units = [u for u in m.modules() if isinstance(u, FSDPModule) and u is not m]
+    calls = []
+    for u in units:                       # count explicit unshards (the fallback path)
+        u.unshard = (lambda orig, u: lambda *a, **k: (calls.append(u), orig(*a, **k))[1])(u.unshard, u)
+    for forward, n_fallback in ((lambda: m(ids).logits, 0), (lambda: None, len(units))):
+        calls.clear()
+        got = []
+        out = gather_during_forward(m, forward, lambda b: got.append([(n, t.clone()) for n, t in b]),
+                                    dtype=torch.bfloat16)
+        assert len(calls) == n_fallback
+        assert [[n for n, _ in b] for b in got] == [[n for n, _ in b] for b in ref]
+        assert all(a.dtype == torch.bfloat16 and torch.equal(a, b)
+                   for bg, br in zip(got, ref) for (_, a), (_, b) in zip(bg, br))
+        assert all(type(p).__name__ == "DTensor" for p in m.parameters())      # resharded
+    assert torch.equal(gather_during_forward(m, lambda: m(ids).logits, lambda b: None), expected)

@@ -85,8 +85,6 @@ def record(request):
         (Path(out) / f"{name}.json").write_text(json.dumps(doc, indent=1, default=str))
     return write
 
-SWITCH_PARTS = {"sleep_s", "wake_weights_s", "gather_s", "load_s", "wake_kv_s", "verify_s"}
-
 
 def probe_tolerance(wm) -> float:
     tol = wm.config.probe_tolerance
