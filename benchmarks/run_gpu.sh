@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs whose results sit in benchmarks/results/ (one H200 machine with 2 GPUs, vLLM 0.22
 # from the wheel kit in ../shared/gpu, PYTHONPATH=/tmp/site:$PWD). One stage per call:
-#   bash benchmarks/run_gpu.sh tests|switch|switch-4b|switch-0.6b|gen-4b|gen-4b-resident|gen-0.6b|async1|async2a|async2b|broadcast  OUT_DIR
+#   bash benchmarks/run_gpu.sh tests|switch|switch-4b|switch-0.6b|gen-4b|gen-4b-resident|gen-4b-graphs|gen-0.6b|async1|async2a|async2b|broadcast  OUT_DIR
 set -uo pipefail
 stage=$1; out=${2:-benchmarks/results}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled VLLM_ENABLE_V1_MULTIPROCESSING=0
@@ -20,10 +20,13 @@ case "$stage" in
     CUDA_VISIBLE_DEVICES=0 python launch/bench_switch.py --shapes qwen3-4b --reps 5 --timeout 240 --raw-settings minirl --out "$out/switch_h200_qwen3-4b.json" ;;
   switch-0.6b)
     CUDA_VISIBLE_DEVICES=0 python launch/bench_switch.py --shapes qwen3-0.6b --reps 5 --timeout 240 --out "$out/switch_h200_qwen3-0.6b.json" ;;
-  gen-4b|gen-4b-resident|gen-0.6b)   # generation only, 8 ABBA cycles (~4 min); resident: minirl's
-               # engine without sleep mode, and so the raw ones
-    shape=qwen3-${stage#gen-}; shape=${shape%-resident}; level=2; [[ $stage == *resident ]] && level=0
+  gen-4b|gen-4b-resident|gen-4b-graphs|gen-0.6b)   # generation only, 8 ABBA cycles (~4 min eager);
+               # resident: minirl's engine without sleep mode, and so the raw ones; graphs: CUDA
+               # graphs for decode, no torch.compile (less bound by the host CPU than eager)
+    shape=qwen3-${stage#gen-}; shape=${shape%-resident}; shape=${shape%-graphs}; level=2
+    [[ $stage == *resident ]] && level=0
     extra=(); [[ $shape == qwen3-4b ]] && extra=(--raw-settings minirl)
+    [[ $stage == *graphs ]] && extra+=(--no-eager --llm-kwargs '{"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}')
     CUDA_VISIBLE_DEVICES=0 python launch/bench_switch.py --shapes $shape --no-switch --gen-cycles 8 --gen-sleep-level $level --timeout 300 "${extra[@]}" --out "$out/${stage/gen-/gen_h200_qwen3-}.json" ;;
   async1)   # generation + training on fractional bundles of ONE GPU, object-store transport
     CUDA_VISIBLE_DEVICES=0 python launch/bench_async.py --shape qwen3-0.6b --gpus 1 --fraction 0.5 --parts async/object_store --steps 4 --max-tokens 64 --out "$out/async_h200_1gpu.json" ;;
