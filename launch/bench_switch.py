@@ -462,14 +462,15 @@ def worker_server(spec: dict, res: dict, save) -> None:
 
     Sides: "raw" (vLLM's defaults), "raw_minirl_settings" (minirl's engine kwargs, no
     trainer), "minirl" (WeightManager: `train_steps` train -> as_vllm() switches first, so the
-    trainer holds weights, Adam state and cached blocks as in a real loop; every call goes
-    through wm.as_vllm())."""
+    trainer holds weights and Adam state as in a real loop, then hands its cached blocks back;
+    every call goes through wm.as_vllm())."""
+    import gc
+    import torch
     reply_fd = spec["reply_fd"]
 
     def reply(msg: dict) -> None:
         os.write(reply_fd, (json.dumps(msg) + "\n").encode())
 
-    import torch
     side, util = spec["side"], spec["gen_gpu_memory_utilization"]
     if side == "minirl":
         from minirl.colocated import WeightManager, WeightManagerConfig
@@ -495,7 +496,6 @@ def worker_server(spec: dict, res: dict, save) -> None:
     prompts = make_prompts(spec["prompts"], spec["vocab_size"])
     tp, sp = generation_request(prompts, spec["new_tokens"])
     get_llm().generate(*generation_request(prompts[:8], 8), use_tqdm=False)     # warm-up
-    import gc
     gc_time = {"s": 0.0, "full": 0}          # Python GC pauses inside each timed call
 
     def on_gc(phase, info):

@@ -402,23 +402,16 @@ class WeightManager:
                     with _timer(t, "fingerprint_s", self.device, add=True):
                         trainer_fp = trainer_fp + bucket_fingerprint(bucket)
 
-            if verify:
-                ids = torch.tensor([self._probe_ids], device=self.device)
-                with _timer(t, "probe_trainer_s", self.device):
-                    logits = gather_during_forward(self.model, lambda: self.model(ids).logits, on_bucket,
-                                                   dtype=self.engine_dtype)
+            # Verifying, the probe forward's own unshards deliver the weights; else no forward
+            # runs and every unit is unsharded for the sync alone.
+            ids = torch.tensor([self._probe_ids], device=self.device)
+            forward = (lambda: self.model(ids).logits) if verify else (lambda: None)
+            key = "probe_trainer_s" if verify else "gather_s"
+            with _timer(t, key, self.device):
+                logits = gather_during_forward(self.model, forward, on_bucket, dtype=self.engine_dtype)
+                if verify:
                     self._trainer_lp = get_logprobs(logits, ids)[0].cpu()
-                t["probe_trainer_s"] -= t["load_s"] + t["fingerprint_s"]   # those are counted apart
-            else:
-                buckets = full_weight_buckets(self.model, dtype=self.engine_dtype)
-                t["gather_s"] = 0.0
-                while True:
-                    with _timer(t, "gather_s", self.device, add=True):
-                        bucket = next(buckets, None)
-                    if bucket is None:
-                        break
-                    on_bucket(bucket)
-                    del bucket
+            t[key] -= t["load_s"] + t.get("fingerprint_s", 0.0)     # those are counted apart
         missing = self._expected - load.loaded
         if missing:
             raise SyncError(f"vLLM did not accept {len(missing)} parameters, e.g. {sorted(missing)[:3]}: "
