@@ -269,7 +269,9 @@ class WeightManager:
         """Seconds spent in the last switch: sleep_s, wake_weights_s, gather_s, load_s, wake_kv_s,
         verify_s (those that ran); when verified, verify_s is the sum of its parts fingerprint_s
         (both checksums), probe_engine_s and probe_trainer_s (the trainer's probe forward, which
-        gathers the weights too: no gather_s then), and probe_gap is the mean |log-prob gap|."""
+        gathers the weights too: no gather_s then), and probe_gap is the mean |log-prob gap|. On CUDA
+        load_s and fingerprint_s add up per-unit spans timed with CUDA events, so timing the parts
+        does not stall the device between units."""
         self._cycle: dict[str, float] = {}
         self.last_probe_gap: float | None = None
         self._dirty = False
