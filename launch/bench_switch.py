@@ -750,6 +750,7 @@ def markdown(doc: dict) -> str:
         "| shape | raw vLLM (defaults) | raw vLLM, same settings | minirl (wm.as_vllm()) | "
         "minirl / raw | minirl / raw same settings | KV blocks (raw / same / minirl) |",
         "|---|---:|---:|---:|---:|---:|---:|"]
+    gen_header = len(gen_lines)
     for rec in doc["results"]:
         gen = rec.get("generate") or {}
         cells, kv = [], []
@@ -763,7 +764,7 @@ def markdown(doc: dict) -> str:
                          if r else "—")
         if gen.get("calls"):
             gen_lines.append(f"| {rec['shape']} | {' | '.join(cells)} | {' / '.join(kv)} |")
-    if len(gen_lines) > 6:        # some generation was timed
+    if len(gen_lines) > gen_header:       # some generation was timed
         lines += gen_lines
     sw = ["", "## Switch (median seconds)", "",
           "raw: sleep(2) -> wake(weights) -> load every weight in place -> wake(kv_cache) -> "
@@ -776,6 +777,7 @@ def markdown(doc: dict) -> str:
           "| shape | path | sleep | wake weights | gather | load | wake kv | verify | "
           "(checksums / probe vLLM / probe trainer) | probe gap | total |",
           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    sw_header = len(sw)
     for rec in doc["results"]:
         raw, mr = rec.get("raw") or {}, rec.get("minirl") or {}
         m = (raw.get("cycle_level2") or {}).get("median")
@@ -799,7 +801,7 @@ def markdown(doc: dict) -> str:
                       f"{_n(m['wake_weights_s'])} | {_n(m['gather_s'])} | {_n(m['load_s'])} | "
                       f"{_n(m['wake_kv_s'])} | {_n(m['verify_s'])} | {parts} | {_n(m['probe_gap'], '{:.2g}')} | "
                       f"{_n(m['switch_s'])} |")
-    if any(line.startswith("| ") and "| shape |" not in line for line in sw):   # not --no-switch
+    if len(sw) > sw_header:               # some switch was timed (not --no-switch)
         lines += sw
     errors = [(rec["shape"], e) for rec in doc["results"] for e in rec.get("errors", [])]
     if errors:
