@@ -1,12 +1,13 @@
-"""Co-located backend on Ray: one placement group of N bundles, one actor per bundle holding
-an FSDP2 rank and its in-process vLLM engine (a WeightManager).
+"""Co-located backend on Ray: one placement group of N bundles, one actor per bundle holding an
+FSDP2 rank and its in-process vLLM engine (a minirl WeightManager).
 
 Two ways to drive it:
 - SPMD: `run_spmd(fn, *args, num_workers=N)` runs `fn(*args)` in every actor at once, after
-  wiring them into one torch.distributed world; `fn` builds its WeightManager and runs the
-  loop (launch/colocated.py --ray N does exactly that).
-- Verbs: `ColocatedGroup(model, num_workers=N, ...)` gives the driver (a script or notebook)
-  generate / forward_backward / optim_step / sync_weights calls on all ranks at once.
+  wiring them into one torch.distributed world; `fn` builds its WeightManager and runs the loop
+  (launch/colocated.py --ray N does exactly that).
+- Verbs: `ColocatedGroup(model, num_workers=N, ...)` gives a driver (a script or notebook)
+  generate / forward_backward / optim_step / sync_weights on all ranks at once; forward_backward
+  is Trainer.forward_backward, so its gradient is the token mean over the whole global batch.
 
 Bundles are {"CPU": 1, "GPU": 1} on a GPU cluster, {"CPU": 1} on a CPU one. Every ray.get has
 a timeout. Hardware: CPU or one GPU per rank.
@@ -23,38 +24,42 @@ from actors import placement
 
 @ray.remote(max_restarts=0)
 class ColocatedWorker(placement.RankActor):
-    """One rank: an SPMD function, or the verbs of minirl.colocated.ColocatedVerbs."""
+    """One rank: an SPMD function, or the verbs over its WeightManager."""
 
-    verbs = None
+    wm = None
 
-    def setup(self, model: str, lr: float, config, llm_kwargs: dict, verbs_kwargs: dict) -> dict:
-        from minirl.colocated import ColocatedVerbs, WeightManager
-        wm = WeightManager(model, lr=lr, config=config, **llm_kwargs)
-        self.verbs = ColocatedVerbs(wm, **verbs_kwargs)
-        return {"rank": wm.rank.rank, "device": str(wm.device), "pid": os.getpid()}
+    def setup(self, model: str, lr, config, llm_kwargs: dict) -> dict:
+        from minirl.colocated import WeightManager
+        self.wm = WeightManager(model, lr=lr, config=config, **llm_kwargs)
+        return {"rank": self.wm.rank.rank, "device": str(self.wm.device), "pid": os.getpid()}
 
-    def generate(self, *args, **kwargs):
-        return self.verbs.generate(*args, **kwargs)
+    def generate(self, prompts: list, sampling: dict, group_size: int, reward_fn, *, metadata=None,
+                 uids=None) -> list:
+        """group_size completions per prompt with the latest weights, scored, with advantages,
+        on CPU (ready to travel)."""
+        from vllm import SamplingParams
+        from minirl.data import parse_vllm_outputs
+        llm = self.wm.as_vllm()
+        sp = SamplingParams(**{"temperature": 1.0, "logprobs": 0, **sampling, "n": group_size})
+        outputs = llm.generate(prompts, sp, use_tqdm=False)
+        batches = parse_vllm_outputs(outputs, group_size, reward_fn, metadata=metadata, uids=uids, device="cpu")
+        return [b.compute_advantages() for b in batches]
 
-    def forward_backward(self, rollouts):
-        return self.verbs.forward_backward(rollouts)
+    def forward_backward(self, rollouts: list, loss_fn) -> dict:
+        self.wm.as_trainable()
+        return self.wm.trainer.forward_backward(rollouts, loss_fn)
 
-    def optim_step(self):
-        return self.verbs.optim_step()
+    def optim_step(self) -> dict:
+        self.wm.as_trainable()
+        return self.wm.trainer.optim_step()
 
-    def sync_weights(self):
-        return self.verbs.sync_weights()
+    def sync_weights(self) -> dict:
+        self.wm.as_vllm()
+        return {"policy_version": self.wm.policy_version, **self.wm.timings}
 
     def close(self):
-        if self.verbs is not None:
-            self.verbs.wm.close()
-
-
-def _get(refs, timeout_s, what):
-    try:
-        return ray.get(refs, timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError as e:
-        raise TimeoutError(f"{what}: no answer from the co-located workers within {timeout_s} s") from e
+        if self.wm is not None:
+            self.wm.close()
 
 
 def start_workers(num_workers: int, *, bundle: dict | None = None, timeout_s: float = 600.0):
@@ -66,7 +71,7 @@ def run_spmd(fn, *args, num_workers: int, bundle: dict | None = None, timeout_s:
     """Run fn(*args) on N co-located workers at once (SPMD); return their results by rank."""
     pg, workers = start_workers(num_workers, bundle=bundle)
     try:
-        return _get([w.run.remote(fn, *args) for w in workers], timeout_s, "SPMD run")
+        return placement.get([w.run.remote(fn, *args) for w in workers], timeout_s, "SPMD run")
     finally:
         for w in workers:
             ray.kill(w)
@@ -74,52 +79,46 @@ def run_spmd(fn, *args, num_workers: int, bundle: dict | None = None, timeout_s:
 
 
 class ColocatedGroup:
-    """Driver-side handle on N co-located workers, with the verbs as blocking calls.
+    """Driver-side handle on N co-located workers, the verbs as blocking calls.
 
-    ColocatedGroup(model, num_workers=2, lr=1e-6, reward_fn=fn, config=WeightManagerConfig(),
-    **llm_kwargs). generate() spreads prompts over the ranks; forward_backward() spreads
-    rollouts (FSDP2 averages the gradients); optim_step() and sync_weights() run on all ranks.
+    ColocatedGroup(model, num_workers=2, lr=1e-6, config=WeightManagerConfig(...), **llm_kwargs).
+    generate() spreads prompts over the ranks; forward_backward() spreads rollouts over the ranks
+    by tokens; optim_step() and sync_weights() run on all ranks.
     """
 
-    def __init__(self, model: str, num_workers: int = 1, *, lr: float = 1e-6, reward_fn=None,
-                 config=None, bundle: dict | None = None, timeout_s: float = 600.0,
-                 verbs_kwargs: dict | None = None, **llm_kwargs):
+    def __init__(self, model: str, num_workers: int = 1, *, lr: float | None = None, config=None,
+                 bundle: dict | None = None, timeout_s: float = 600.0, **llm_kwargs):
         self.timeout = timeout_s
         self.pg, self.workers = start_workers(num_workers, bundle=bundle, timeout_s=timeout_s)
-        self.info = self._all("setup", model, lr, config, llm_kwargs,
-                              {"reward_fn": reward_fn, **(verbs_kwargs or {})})
+        self.info = self._get([w.setup.remote(model, lr, config, llm_kwargs) for w in self.workers], "setup")
 
-    def _all(self, method, *args):
-        return _get([getattr(w, method).remote(*args) for w in self.workers], self.timeout, method)
+    def _get(self, refs, what):
+        return placement.get(refs, self.timeout, f"co-located workers ({what})")
 
-    def generate(self, prompts: list, sampling: dict, group_size: int, *, metadata=None) -> list:
+    def generate(self, prompts: list, sampling: dict, group_size: int, reward_fn, *, metadata=None) -> list:
         n = len(self.workers)
-        refs = [w.generate.remote(prompts[i::n], sampling, group_size,
+        refs = [w.generate.remote(prompts[i::n], sampling, group_size, reward_fn,
                                   metadata=None if metadata is None else metadata[i::n],
                                   uids=list(range(len(prompts)))[i::n])
                 for i, w in enumerate(self.workers)]
-        batches = [b for part in _get(refs, self.timeout, "generate") for b in part]
-        return sorted(batches, key=lambda b: b.uid)
+        return sorted((b for part in self._get(refs, "generate") for b in part), key=lambda b: b.uid)
 
-    def forward_backward(self, rollouts: list) -> list[dict]:
-        """Split rollouts over the ranks; short ranks get zero-weight padding so every rank runs
-        the same number of passes (FSDP2's collectives need that)."""
-        n = len(self.workers)
-        parts = [rollouts[i::n] for i in range(n)]
-        longest = max(len(p) for p in parts)
-        parts = [p + [rollouts[0].as_padding()] * (longest - len(p)) for p in parts]
-        return _get([w.forward_backward.remote(p) for w, p in zip(self.workers, parts)],
-                    self.timeout, "forward_backward")
+    def forward_backward(self, rollouts: list, loss_fn) -> dict:
+        """Gradients of loss_fn's token mean over all `rollouts`, split over the ranks by tokens."""
+        from minirl.data import split_by_tokens
+        parts = split_by_tokens(rollouts, len(self.workers))
+        return self._get([w.forward_backward.remote(p, loss_fn) for w, p in zip(self.workers, parts)],
+                         "forward_backward")[0]
 
     def optim_step(self) -> list[dict]:
-        return self._all("optim_step")
+        return self._get([w.optim_step.remote() for w in self.workers], "optim_step")
 
     def sync_weights(self) -> list[dict]:
-        return self._all("sync_weights")
+        return self._get([w.sync_weights.remote() for w in self.workers], "sync_weights")
 
     def shutdown(self) -> None:
         try:
-            self._all("close")
+            self._get([w.close.remote() for w in self.workers], "close")
         finally:
             for w in self.workers:
                 ray.kill(w)

@@ -1,14 +1,14 @@
-"""GenerationActor: a Ray actor around one minirl.generator.Generator, fed by the rollout hub.
+"""GenerationActor: a Ray actor around one minirl.generator.Generator that feeds the queue.
 
-    actor = GenerationActor.options(...).remote(model, worker_id, queue_name, gen_kwargs)
-    n = ray.get(actor.work.remote(8))      # lease <= 8 prompts, generate, push batches
+    actor = GenerationActor.options(...).remote(model, worker_id, queue_name, namespace, gen_kwargs)
+    ray.get(actor.run.remote(8))   # lease <= 8 prompts, generate, put; until the queue is finished
 
-The actor restarts after a crash (max_restarts=-1); its __init__ re-registers with the hub and
-loads the trainer's latest weights from the object store before it generates again. Weights
-arrive by `load_from_store` (object store) or `recv_broadcast` (collective group). They may
-come while `work` waits on a full queue (backpressure) - the trainer must not wait on a
-generator that waits on the trainer - so calls run on a few threads and a lock keeps every
-weight load out of the engine's generate. Hardware: one GPU or CPU cores.
+The actor restarts after a crash (max_restarts=-1): __init__ registers with the queue again
+(which releases what the dead one had leased) and loads the trainer's latest weights from the
+object store before it generates. Weights arrive by `load_from_store` (object store) or
+`recv_broadcast` (collective group) while `run` may be blocked on a full queue, so calls run on
+a few threads and a lock keeps every weight load out of a running generate. Hardware: one GPU
+or CPU cores.
 """
 
 from __future__ import annotations
@@ -26,71 +26,74 @@ from actors.queue import connect_queue
 class GenerationActor:
     def __init__(self, model: str, worker_id: str, queue_name: str, namespace: str,
                  gen_kwargs: dict, call_timeout_s: float = 600.0):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from minirl.generator import Generator
+        from minirl.trainer import model_identity
         self.worker_id, self.timeout = worker_id, call_timeout_s
         self._engine = threading.Lock()          # generate and weight loads never overlap
-        self.hub = connect_queue(queue_name, namespace=namespace)
-        from minirl.colocated import model_identity
-        self._get(self.hub.check_model.remote(model_identity(model)))
+        self._stop = threading.Event()
+        self.queue = connect_queue(queue_name, namespace=namespace)
+        self._get(self.queue.check_model.remote(model_identity(model)))
         self.gen = Generator(model, **gen_kwargs)
         self.group = None
-        self.restarts = ray.get_runtime_context().was_current_actor_reconstructed
+        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self._bootstrap()
-        me = ray.get_runtime_context().current_actor
-        self._get(self.hub.register_worker.remote(worker_id, me))
+        self._get(self.queue.register_worker.remote(worker_id, ray.get_runtime_context().current_actor))
 
-    def _get(self, ref, timeout=None):
+    def _get(self, ref):
         try:
-            return ray.get(ref, timeout=timeout or self.timeout)
+            return ray.get(ref, timeout=self.timeout)
         except ray.exceptions.GetTimeoutError as e:
-            raise TimeoutError(f"generator {self.worker_id}: the rollout hub did not answer within "
-                               f"{timeout or self.timeout} s") from e
+            raise TimeoutError(f"generator {self.worker_id}: the rollout queue did not answer within "
+                               f"{self.timeout} s") from e
 
     def _bootstrap(self) -> bool:
-        """Load the trainer's latest weights if the hub has some newer than ours."""
-        version, refs = self._get(self.hub.weights.remote())
-        if refs and version > self.gen.version:
+        """Load the trainer's latest weights if the queue holds newer ones than the engine."""
+        version, refs = self._get(self.queue.weights.remote())
+        if refs and version > self.gen.policy_version:
             self.load_from_store(version, refs)
             return True
         return False
 
-    # -- generation --------------------------------------------------------------------------
+    def run(self, max_prompts: int) -> dict:
+        """Lease, generate and put until the queue is finished (or stop() was called). Leases
+        nothing while the engine's weights are too stale (it loads newer ones from the object
+        store, or waits for the next broadcast). Returns counts."""
+        stats = {"prompts": 0, "tokens": 0, "stale_waits": 0}
+        self._stop.clear()
+        while not self._stop.is_set():
+            items = self._get(self.queue.take_prompts.remote(self.worker_id, max_prompts,
+                                                             self.gen.policy_version, 1.0))
+            if items is None:                    # too stale to start: newer weights first
+                stats["stale_waits"] += 1
+                if not self._bootstrap():
+                    time.sleep(0.1)
+                continue
+            if not items:
+                if self._get(self.queue.finished.remote()):
+                    return stats
+                continue
+            with self._engine:
+                batches = self.gen.generate(items)   # stamped with the version the engine holds
+            for b in batches:
+                for r in b:
+                    r.info["worker_id"] = self.worker_id
+            self._get(self.queue.put.remote(self.worker_id, batches, self.timeout))
+            stats["prompts"] += len(items)
+            stats["tokens"] += sum(len(r.completion_ids) for b in batches for r in b)
+        return stats
 
-    def work(self, max_prompts: int, max_staleness: int | None = None) -> dict:
-        """Lease up to max_prompts prompts, generate, push the batches (blocking while the queue is
-        full). Returns counts; generates nothing when its weights are too stale to be used."""
-        hub_version = self._get(self.hub.version.remote())
-        if max_staleness is not None and hub_version - self.gen.version > max_staleness:
-            if not self._bootstrap():
-                return {"prompts": 0, "stale": True, "version": self.gen.version}
-        items = self._get(self.hub.take_prompts.remote(self.worker_id, max_prompts, 1.0))
-        if not items:
-            return {"prompts": 0, "stale": False, "version": self.gen.version}
-        t0 = time.perf_counter()
-        with self._engine:
-            batches = self.gen.generate(items)   # stamped with the version the engine holds
-        for b in batches:
-            for r in b:
-                r.info["worker_id"] = self.worker_id
-        t1 = time.perf_counter()
-        self._get(self.hub.put.remote(self.worker_id, batches, self.timeout))
-        tokens = sum(len(r.completion_ids) for b in batches for r in b)
-        return {"prompts": len(items), "stale": False, "version": self.gen.version, "tokens": tokens,
-                "generate_s": t1 - t0, "put_s": time.perf_counter() - t1}
+    def stop(self) -> None:
+        """Drain: run() returns after the batch in hand (whose rollouts are kept)."""
+        self._stop.set()
 
     # -- weights -----------------------------------------------------------------------------
 
-    def load_from_store(self, version: int, refs: list) -> dict:
+    def load_from_store(self, version: int, refs: list, probe_ids: list | None = None) -> dict:
         """refs: one ObjectRef per packed bucket (minirl.transport.pack_bucket), owned by the trainer."""
         from minirl.transport import unpack_bucket
-        t0 = time.perf_counter()
         buckets = (unpack_bucket(ray.get(ref, timeout=self.timeout), self.gen.device) for ref in refs)
-        with self._engine:
-            if version <= self.gen.version:      # a bootstrap raced a push: already current
-                return {"load_s": 0.0, "total_s": 0.0, "version": self.gen.version}
-            out = self.gen.load_weights(version, buckets)
-        return {**out, "total_s": time.perf_counter() - t0, "version": version}
+        with self._engine:     # the trainer's push wins, also over newer weights (after its resume)
+            return self.gen.load_weights(version, buckets, probe_ids=probe_ids)
 
     def join_group(self, host: str, port: int, rank: int, world_size: int, prefix: str,
                    timeout_s: float) -> bool:
@@ -101,19 +104,17 @@ class GenerationActor:
                                     device=self.gen.device, timeout_s=timeout_s)
         return True
 
-    def recv_broadcast(self, version: int, metas: list) -> dict:
+    def recv_broadcast(self, version: int, metas: list, probe_ids: list | None = None) -> dict:
         """Receive len(metas) buckets from the trainer over the collective group and load them."""
         if self.group is None:
             raise RuntimeError(f"generator {self.worker_id} is in no broadcast group")
-        t0 = time.perf_counter()
         with self._engine:
-            out = self.gen.load_weights(version, (self.group.recv(m) for m in metas))
-        return {**out, "total_s": time.perf_counter() - t0, "version": version}
+            return self.gen.load_weights(version, (self.group.recv(m) for m in metas), probe_ids=probe_ids)
 
     # -- introspection ------------------------------------------------------------------------
 
     def info(self) -> dict:
-        return {"worker_id": self.worker_id, "version": self.gen.version, "restarted": self.restarts,
+        return {"worker_id": self.worker_id, "version": self.gen.policy_version, "restarted": self.restarted,
                 "device": str(self.gen.device), "pid": os.getpid()}
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:

@@ -15,6 +15,27 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 
+def ray_init(namespace: str = "minirl") -> None:
+    """Join (or start) a Ray cluster unless this process already has."""
+    if not ray.is_initialized():
+        ray.init(namespace=namespace, log_to_driver=True)
+
+
+def require_ray() -> None:
+    """Without this, Ray would quietly start a fresh local cluster that holds no queue."""
+    if not ray.is_initialized():
+        raise RuntimeError("Ray is not initialized: call ray.init(address=...) with the cluster "
+                           "that runs the rollout queue first")
+
+
+def get(ref, timeout_s: float, what: str):
+    """ray.get with a timeout whose error names what did not answer."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        raise TimeoutError(f"{what} did not answer within {timeout_s} s") from e
+
+
 def cluster_gpus() -> float:
     return ray.cluster_resources().get("GPU", 0.0)
 
@@ -72,8 +93,7 @@ class RankActor:
     def configure(self, master_addr: str, master_port: int) -> None:
         import os
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
-                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
-                          VLLM_ENABLE_V1_MULTIPROCESSING="0")
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
 
     def run(self, fn, *args):
         """Run fn(*args) here (SPMD: every rank at once)."""
@@ -84,8 +104,7 @@ def start_ranks(actor_cls, num: int, *, bundle: dict | None = None, timeout_s: f
                 args: tuple = ()):
     """One placement group of `num` bundles, one actor_cls(rank, num, *args) per bundle, wired
     into one world. Returns (pg, actors)."""
-    if not ray.is_initialized():
-        ray.init()
+    ray_init()
     bundle = bundle or default_bundle()
     pg = create([dict(bundle)] * num, strategy="PACK")
     wait_ready(pg, timeout_s, f"{num} training or co-located ranks")

@@ -1,17 +1,115 @@
-"""TrainingActor: one FSDP2 training rank of the async backend (a minirl.async_rl.TrainWorker).
+"""The training side of the async backend: TrainWorker (a minirl Trainer fed by the rollout
+queue, pushing weights to the generators) and TrainingActor, one rank of it on Ray.
 
-    pg, trainers = start_trainers(2, model, queue_address="rollouts", lr=1e-6)
-    ray.get([t.run.remote(my_loop, args) for t in trainers])      # SPMD: my_loop(worker, args)
+    worker = TrainWorker(model, "rollouts", config=TrainerConfig(lr=1e-6), max_staleness=1)
+    for batches in worker.pull_rollouts():          # within max_staleness versions of the trainer
+        ...worker.trainer.forward_backward(...) / optim_step(), or worker.model / worker.optimizer...
+        worker.sync_weights()                       # publish a version, push it, verify it arrived
+    worker.finish()                                 # the run's end, for the server side
 
-Ranks find each other through rank 0's address (gloo on CPU, NCCL on GPU, chosen inside the
-process from what it really has). Hardware: CPU or one GPU per rank.
+    pg, trainers = start_trainers(2, model, "rollouts", lr=1e-6)   # SPMD: run(fn) on every rank
+
+Rank 0 pulls each step's batches and shares them, split by tokens. Weights go through the object
+store or a collective group (actors/weights.py); every sync is verified like the co-located one
+unless verify_sync=False. Hardware: CPU or one GPU per rank.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import ray
+import torch.distributed as dist
 
 from actors import placement
+from actors.queue import DEFAULT_NAMESPACE, connect_queue
+from actors.weights import WeightPusher
+from minirl.data import RolloutBatch, split_by_tokens
+from minirl.trainer import Trainer, TrainerConfig, check_model_path, model_identity
+
+
+class TrainWorker:
+    """TrainWorker(model, queue_address, lr=..., config=TrainerConfig(...), max_staleness=1,
+    batch_size=8, transport="object_store" | "collective"). Under torchrun (or several Ray
+    actors) every rank constructs one."""
+
+    def __init__(self, model: str, queue_address: str = "minirl-rollouts", *, lr: float | None = None,
+                 config: TrainerConfig | None = None, max_staleness: int = 1, batch_size: int = 8,
+                 transport: str = "object_store", verify_sync: bool = True,
+                 namespace: str = DEFAULT_NAMESPACE, pull_timeout_s: float = 600.0, sync_timeout_s: float = 600.0):
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        placement.ray_init(namespace)
+        config = config or TrainerConfig()
+        self.queue = connect_queue(queue_address, namespace=namespace,
+                                   model_id=model_identity(check_model_path(model)))
+        self.trainer = Trainer(model, config if lr is None else replace(config, lr=lr))
+        self.rank, self.device = self.trainer.rank, self.trainer.device
+        self.batch_size, self.pull_timeout, self.timeout = batch_size, pull_timeout_s, sync_timeout_s
+        if self.rank.rank == 0:
+            placement.get(self.queue.set_max_staleness.remote(max_staleness), self.timeout, "rollout queue")
+        self.trainer.policy_version = placement.get(self.queue.stats.remote(), self.timeout, "rollout queue")["version"]
+        self.pusher = WeightPusher(self.trainer, self.queue, transport, verify=verify_sync, timeout_s=sync_timeout_s)
+        self.trained_uids: list = []     # every prompt pulled for training (exactly once), in order
+        self.timings: dict[str, float] = {}
+
+    model = property(lambda self: self.trainer.model)
+    optimizer = property(lambda self: self.trainer.optimizer)
+    policy_version = property(lambda self: self.trainer.policy_version)
+
+    def pull_rollouts(self, batch_size: int | None = None):
+        """Yield this rank's share (split by tokens) of each `batch_size` x world RolloutBatches,
+        until the queue is finished (the last pull may hold fewer). Tensors on this rank's device."""
+        n, world = batch_size or self.batch_size, self.rank.world_size
+        while True:
+            got = (placement.get(self.queue.get.remote(n * world, self.pull_timeout), self.pull_timeout + 30,
+                                 "rollout queue") if self.rank.rank == 0 else None)
+            if world > 1:
+                box = [got]
+                dist.broadcast_object_list(box, src=0)
+                got = box[0]
+            if not got:
+                return
+            self.trained_uids += [b.uid for b in got if b.uid is not None]
+            got += [RolloutBatch([r.as_padding() for r in got[0]])] * max(0, world - len(got))
+            mine = split_by_tokens(got, world)[self.rank.rank]
+            yield [RolloutBatch([r.to(self.device) for r in b], uid=b.uid) for b in mine]
+
+    def sync_weights(self) -> dict:
+        """Publish the trainer's weights as a version and push them to every generator; with
+        verification, raise SyncError unless each generator's probe log-probs match. Collective."""
+        t0 = time.perf_counter()
+        self.timings = {**self.pusher.push(), "sync_s": time.perf_counter() - t0}
+        return self.timings
+
+    def save_checkpoint(self, ckpt, step: int, *, state: dict | None = None, export_hf: bool = False):
+        """Trainer state, the prompts trained so far and what the queue holds. Call right after
+        sync_weights() at the end of a step. Collective."""
+        queue = placement.get(self.queue.snapshot.remote(), self.timeout, "rollout queue") if self.rank.rank == 0 else {}
+        state = {"trained_uids": self.trained_uids, "in_flight": [it.uid for it in queue.get("in_flight", [])],
+                 **(state or {})}
+        return self.trainer.save_checkpoint(ckpt, step, state=state, objects={"queue": queue}, export_hf=export_hf)
+
+    def load_checkpoint(self, ckpt, path=None) -> dict:
+        """Restore the trainer and its trained prompts, then push the restored weights to every
+        generator (the queue's side is RolloutServer.restore)."""
+        out = self.trainer.load_checkpoint(ckpt, path)
+        self.trained_uids = list(out["state"]["trained_uids"])
+        self.sync_weights()
+        return out
+
+    def finish(self) -> None:
+        """Tell the server side the trainer trained and synced its last batch."""
+        if self.rank.rank == 0:
+            placement.get(self.queue.set_trainer_done.remote(), self.timeout, "rollout queue")
+
+    def queue_stats(self) -> dict:
+        return placement.get(self.queue.stats.remote(), self.timeout, "rollout queue")
+
+    def close(self) -> None:
+        self.pusher.close()
+        self.trainer.close()
 
 
 @ray.remote(max_restarts=0)
@@ -19,7 +117,6 @@ class TrainingActor(placement.RankActor):
     worker = None
 
     def setup(self, model: str, queue_address: str, kwargs: dict) -> dict:
-        from minirl.async_rl import TrainWorker
         self.worker = TrainWorker(model, queue_address, **kwargs)
         return {"rank": self.worker.rank.rank, "device": str(self.worker.device)}
 

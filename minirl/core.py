@@ -44,25 +44,37 @@ def compute_advantages(rewards, group_size: int, *, normalize_std: bool = False,
 # ----------------------------------------------------------------------------------------------
 # Log-probs of realised tokens, memory-lean
 
+_BLOCK_BYTES = 128 << 20    # the most fp32 (chunk, V) work done at once
+
+
+def _chunk_tokens(n: int, vocab: int, chunk_size: int | None) -> int:
+    """Rows per chunk: chunk_size if given, else at most n/8 rows and a _BLOCK_BYTES fp32 block,
+    so the fp32 work stays under a quarter of bf16 logits' own size whatever their shape."""
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        return chunk_size
+    return max(1, min(n // 8, _BLOCK_BYTES // (4 * vocab)))
+
 
 class _TokenLogprobs(torch.autograd.Function):
-    """log_softmax(logits / T)[token] computed chunk by chunk along the sequence.
+    """log_softmax(logits / T)[target] for (N, V) logits, computed a chunk of rows at a time.
 
-    Forward keeps only the logits (in their own dtype) and a (B, T) logsumexp; backward rebuilds
-    the softmax one chunk at a time. Peak extra memory is one (B, chunk, V) fp32 block, never a
-    full (B, T, V) fp32 log-softmax.
+    Forward keeps only the logits (in their own dtype) and an (N,) logsumexp; backward rebuilds
+    each chunk's softmax in place and writes its gradient straight into the (N, V) result. Extra
+    memory: that gradient (the size of the logits) plus one fp32 (chunk, V) block.
     """
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, chunk):
-        B, T, V = logits.shape
         acc = torch.promote_types(logits.dtype, torch.float32)   # fp32 (fp64 stays fp64)
-        out = torch.empty(B, T, dtype=acc, device=logits.device)
+        n = logits.shape[0]
+        out = torch.empty(n, dtype=acc, device=logits.device)
         lse = torch.empty_like(out)
-        for s in range(0, T, chunk):
-            x = logits[:, s:s + chunk].to(acc) / temperature      # (B, c, V) fp32, one chunk
-            lse[:, s:s + chunk] = torch.logsumexp(x, dim=-1)
-            out[:, s:s + chunk] = x.gather(-1, targets[:, s:s + chunk, None]).squeeze(-1)
+        for s in range(0, n, chunk):
+            x = logits[s:s + chunk].to(acc) / temperature         # (c, V), one block
+            lse[s:s + chunk] = torch.logsumexp(x, dim=-1)
+            out[s:s + chunk] = x.gather(-1, targets[s:s + chunk, None]).squeeze(-1)
         out -= lse
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
@@ -71,19 +83,39 @@ class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         logits, targets, lse = ctx.saved_tensors
-        T, chunk, temp = logits.shape[1], ctx.chunk, ctx.temperature
+        temp, chunk = ctx.temperature, ctx.chunk
         grad = torch.empty_like(logits)
-        for s in range(0, T, chunk):
-            g = grad_out[:, s:s + chunk, None].to(lse.dtype)      # (B, c, 1)
-            p = torch.exp(logits[:, s:s + chunk].to(lse.dtype) / temp - lse[:, s:s + chunk, None])
-            d = -g * p                                            # d/dx of -lse
-            d.scatter_add_(-1, targets[:, s:s + chunk, None], g)  # d/dx of x[target]
-            grad[:, s:s + chunk] = (d / temp).to(logits.dtype)
+        for s in range(0, logits.shape[0], chunk):
+            g = grad_out[s:s + chunk, None].to(lse.dtype)              # (c, 1)
+            x = logits[s:s + chunk].to(lse.dtype, copy=True)          # (c, V), the one block
+            x.div_(temp).sub_(lse[s:s + chunk, None]).exp_().mul_(-g)   # d/dx of -lse: -g * p
+            x.scatter_add_(-1, targets[s:s + chunk, None], g)         # d/dx of x[target]
+            grad[s:s + chunk] = x.div_(temp)
         return grad, None, None, None
 
 
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+                   chunk_size: int | None = None) -> torch.Tensor:
+    """log p(targets[i]) under softmax(logits[i] / temperature): (N, V), (N,) -> (N,).
+
+    No shift: row i scores targets[i]. The result is fp32 (fp64 for fp64 logits), differentiable,
+    and never materialises an fp32 copy of the logits: rows are processed chunk_size at a time
+    (default: a bounded fp32 block, see _chunk_tokens), so forward + backward need at most the
+    logits' gradient plus a quarter of the logits' bf16 size on top of the logits themselves.
+    """
+    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)}: pass "
+                         "(N, V) logits and the (N,) token ids they score")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (greedy log-probs are log_softmax(logits), "
+                         f"i.e. temperature=1.0), got {temperature}")
+    chunk = _chunk_tokens(logits.shape[0], logits.shape[1], chunk_size)
+    targets = targets.to(device=logits.device, dtype=torch.long)
+    return _TokenLogprobs.apply(logits, targets, float(temperature), chunk)
+
+
 def get_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *, temperature: float = 1.0,
-                 chunk_size: int = 1024) -> torch.Tensor:
+                 chunk_size: int | None = None) -> torch.Tensor:
     """Per-token log-probs of the realised tokens: out[..., t-1] = log p(token_ids[t] | < t).
 
     logits: (B, T, V) or (T, V), as a causal LM returns for `token_ids` (B, T) / (T,). Logits at
@@ -92,10 +124,8 @@ def get_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *, temperature: 
     the completion's log-probs are out[:, P-1:] (the last C entries).
 
     temperature (> 0) divides the logits first, matching vLLM's sampling log-probs when the engine
-    runs with logprobs_mode="processed_logprobs" (minirl's default). chunk_size (>= 1) is how many
-    positions are processed at once. The result is fp32 (fp64 for fp64 logits; bf16/fp16 logits
-    are upcast to fp32), differentiable, and no full fp32 (B, T, V) tensor is ever materialised
-    or saved for backward (see _TokenLogprobs).
+    runs with logprobs_mode="processed_logprobs" (minirl's default). The work is token_logprobs
+    over the (B*T, V) rows (a view, no copy), chunk_size rows at a time.
     """
     squeeze = logits.dim() == 2
     if squeeze:
@@ -103,29 +133,26 @@ def get_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *, temperature: 
     if logits.shape[:2] != token_ids.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and token_ids {tuple(token_ids.shape)} "
                          "disagree: pass the logits the model returned for exactly these token_ids")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 (greedy log-probs are log_softmax(logits), "
-                         f"i.e. temperature=1.0), got {temperature}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    targets = token_ids[:, 1:].to(device=logits.device, dtype=torch.long)   # (B, T-1)
-    out = _TokenLogprobs.apply(logits[:, :-1], targets, float(temperature), int(chunk_size))
+    B, T, V = logits.shape
+    ids = token_ids.to(device=logits.device, dtype=torch.long)
+    targets = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)   # last row: unused
+    out = token_logprobs(logits.reshape(B * T, V), targets.reshape(-1), temperature=temperature,
+                         chunk_size=chunk_size).view(B, T)[:, :-1]
     return out[0] if squeeze else out
 
 
 def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0,
-                        chunk_size: int = 1024) -> torch.Tensor:
+                        chunk_size: int | None = None) -> torch.Tensor:
     """Entropy (nats) of softmax(logits / T) at every position: (..., T, V) -> (..., T), fp32.
 
-    Computed chunk by chunk along T; meant for logging (wrap in torch.no_grad() if so), but it is
-    differentiable for an entropy bonus.
+    Computed a bounded chunk of rows at a time; meant for logging (wrap in torch.no_grad() if
+    so), but it is differentiable for an entropy bonus.
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     flat = logits.reshape(-1, logits.shape[-1])
+    chunk = _chunk_tokens(flat.shape[0], flat.shape[1], chunk_size)
     parts = []
-    for s in range(0, flat.shape[0], chunk_size):
-        x = flat[s:s + chunk_size].float() / temperature
+    for s in range(0, flat.shape[0], chunk):
+        x = flat[s:s + chunk].float() / temperature
         logp = torch.log_softmax(x, dim=-1)
         p = logp.exp()
         # 0 * log 0 = 0: a -inf logit (masked token) must not turn the entropy into NaN.
@@ -199,23 +226,15 @@ def _as_adv(adv, like: torch.Tensor) -> torch.Tensor:
     return a
 
 
-def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages, *,
-                        mask: torch.Tensor | None = None, clip_low: float = 0.2,
-                        clip_high: float | None = None, dual_clip: float | None = None,
-                        aggregation: str = "token-mean", max_tokens: int | None = None
-                        ) -> torch.Tensor:
-    """PPO clipped surrogate loss (to minimise): -min(r*A, clip(r, 1-clip_low, 1+clip_high)*A).
+def clipped_surrogate(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages, *,
+                      clip_low: float = 0.2, clip_high: float | None = None,
+                      dual_clip: float | None = None) -> torch.Tensor:
+    """Per-token PPO clipped loss (to minimise): -min(r*A, clip(r, 1-clip_low, 1+clip_high)*A).
 
     r = exp(new - old) per token. clip_high defaults to clip_low (symmetric PPO); DAPO's
     clip-higher uses e.g. clip_low=0.2, clip_high=0.28. dual_clip=c (> 1) bounds the loss of
     negative-advantage tokens at -c*A (Ye et al. 2020), so a huge ratio cannot blow it up.
-
-    Shapes: old_logprobs (B, C) or (C,); advantages a scalar, (B,) or (B, C); mask like
-    old_logprobs. new_logprobs may be longer than old_logprobs along the last dim: its last C
-    entries are used, which is what get_logprobs(model(token_ids).logits, token_ids) gives for a
-    rollout whose completion (C tokens) ends token_ids. So the seed call
-        clipped_policy_loss(get_logprobs(out.logits, r.token_ids), r.old_logprobs, r.advantage)
-    scores exactly the completion tokens. aggregation: see `aggregate`.
+    Shapes as clipped_policy_loss; returns fp32 shaped like old_logprobs (unreduced).
     """
     new = _align(new_logprobs, old_logprobs)
     old = old_logprobs.to(device=new.device, dtype=torch.float32)
@@ -227,9 +246,56 @@ def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, 
         if dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
         surr = torch.where(adv < 0, torch.maximum(surr, dual_clip * adv), surr)
+    return -surr
+
+
+def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages, *,
+                        mask: torch.Tensor | None = None, clip_low: float = 0.2,
+                        clip_high: float | None = None, dual_clip: float | None = None,
+                        aggregation: str = "token-mean", max_tokens: int | None = None
+                        ) -> torch.Tensor:
+    """clipped_surrogate reduced to a scalar by `aggregate(..., mask, aggregation)`.
+
+    Shapes: old_logprobs (B, C) or (C,); advantages a scalar, (B,) or (B, C); mask like
+    old_logprobs. new_logprobs may be longer than old_logprobs along the last dim: its last C
+    entries are used, which is what get_logprobs(model(token_ids).logits, token_ids) gives for a
+    rollout whose completion (C tokens) ends token_ids. So the seed call
+        clipped_policy_loss(get_logprobs(out.logits, r.token_ids), r.old_logprobs, r.advantage)
+    scores exactly the completion tokens.
+    """
+    per_token = clipped_surrogate(new_logprobs, old_logprobs, advantages, clip_low=clip_low,
+                                  clip_high=clip_high, dual_clip=dual_clip)
     if mask is not None:
-        mask = mask.to(device=new.device)
-    return aggregate(-surr, mask, aggregation, max_tokens=max_tokens)
+        mask = mask.to(device=per_token.device)
+    return aggregate(per_token, mask, aggregation, max_tokens=max_tokens)
+
+
+def ppo_loss_fn(*, clip_low: float = 0.2, clip_high: float | None = 0.28,
+                dual_clip: float | None = None, entropy: bool = True):
+    """A loss_fn for Trainer.forward_backward: the clipped surrogate per token, plus per-token
+    statistics the trainer turns into global token means: clip_frac (the clip switched the
+    gradient off), approx_kl (k3 of the sampling policy to the trainer's), ratio (trainer /
+    sampler) and, when `entropy`, the policy's entropy. batch.old_logprobs are the sampling
+    log-probs: ratio = pi_theta / pi_sampler, no extra old-policy forward.
+
+        loss_fn(logprobs (n,), batch (old_logprobs, advantages: (n,)), logits (n, V))
+            -> (per-token loss (n,), {name: (n,)})
+    """
+    ch = clip_low if clip_high is None else clip_high
+
+    def loss_fn(logprobs, batch, logits):
+        old, adv = batch.old_logprobs, batch.advantages                        # (n,), (n,)
+        per_token = clipped_surrogate(logprobs, old, adv, clip_low=clip_low, clip_high=ch,
+                                      dual_clip=dual_clip)
+        with torch.no_grad():
+            ratio = torch.exp(logprobs.float() - old)
+            clipped = ((adv > 0) & (ratio > 1 + ch)) | ((adv < 0) & (ratio < 1 - clip_low))
+            stats = {"clip_frac": clipped.float(), "approx_kl": kl_k3(old, logprobs.float()),
+                     "ratio": ratio}
+            if entropy:
+                stats["entropy"] = entropy_from_logits(logits)
+        return per_token, stats
+    return loss_fn
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,8 +398,9 @@ def log_ratio_stats(train_logprobs: torch.Tensor, sampling_logprobs: torch.Tenso
 
 
 __all__ = [
-    "compute_advantages", "get_logprobs", "entropy_from_logits", "masked_mean", "aggregate",
-    "AGGREGATIONS", "clipped_policy_loss", "kl_k1", "kl_k2", "kl_k3",
+    "compute_advantages", "token_logprobs", "get_logprobs", "entropy_from_logits", "masked_mean",
+    "aggregate", "AGGREGATIONS", "clipped_surrogate", "clipped_policy_loss",
+    "ppo_loss_fn", "kl_k1", "kl_k2", "kl_k3",
     "truncated_importance_weights", "masked_importance_weights", "clip_fraction", "approx_kl",
     "log_ratio_stats",
 ]

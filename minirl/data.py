@@ -35,20 +35,6 @@ import torch
 
 from minirl.core import compute_advantages
 
-# Process-wide stamp defaults. WeightManager / generators set them when they hand out an
-# engine, so parse_vllm_outputs stamps the policy version that produced the outputs and builds
-# tensors on the device the model trains on. Explicit arguments always win.
-_CONTEXT: dict[str, Any] = {"policy_version": 0, "device": "cpu"}
-
-
-def set_rollout_context(*, policy_version: int | None = None, device=None) -> None:
-    """Set the policy version and device that new Rollouts get by default."""
-    if policy_version is not None:
-        _CONTEXT["policy_version"] = int(policy_version)
-    if device is not None:
-        _CONTEXT["device"] = str(device)
-
-
 @dataclass
 class Rollout:
     """One sampled completion and everything training needs to score it."""
@@ -132,6 +118,10 @@ class RolloutBatch:
         return self.rollouts[i]
 
     @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rollouts)
+
+    @property
     def rewards(self) -> list[float]:
         return [r.reward for r in self.rollouts]
 
@@ -178,7 +168,8 @@ def _sampled_logprobs(completion) -> list[float] | None:
 
 def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, *,
                        metadata: Sequence | None = None, uids: Sequence | None = None,
-                       policy_version: int | None = None, device=None) -> list[RolloutBatch]:
+                       policy_version: int | None = None, device=None,
+                       tokenizer=None) -> list[RolloutBatch]:
     """Turn vLLM `RequestOutput`s into one RolloutBatch per prompt, scored by `reward_fn`.
 
     outputs: what `llm.generate` returned, either one output per prompt holding `group_size`
@@ -192,8 +183,11 @@ def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, 
     called once per completion, in order; an exception it raises is re-raised naming the prompt.
 
     uids: one identifier per prompt (default: the prompt's index in `outputs`). Rollouts are
-    stamped with `policy_version` and built on `device`; by default those set by
-    `set_rollout_context` (WeightManager.as_vllm() sets both).
+    stamped with `policy_version` and built on `device`; by default those the engine recorded on
+    its outputs (an engine from WeightManager.as_vllm() records its policy version and the
+    trainer's device; otherwise 0 and "cpu"). Generated with SamplingParams(detokenize=False),
+    completions are decoded here with `tokenizer` (e.g. llm.get_tokenizer()): one batched decode
+    instead of vLLM's per-step incremental one.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -211,8 +205,13 @@ def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, 
     for name, seq in (("metadata", metadata), ("uids", uids)):
         if seq is not None and len(seq) != len(groups):
             raise ValueError(f"{len(seq)} {name} entries for {len(groups)} prompts: give one per prompt")
-    version = _CONTEXT["policy_version"] if policy_version is None else int(policy_version)
-    dev = _CONTEXT["device"] if device is None else str(device)
+    stamp = getattr(outputs[0], "minirl", {}) if outputs else {}
+    version = stamp.get("policy_version", 0) if policy_version is None else int(policy_version)
+    dev = stamp.get("device", "cpu") if device is None else str(device)
+    texts = None
+    if tokenizer is not None and any(not c.text and c.token_ids for g in groups for _, c in g):
+        texts = iter(tokenizer.batch_decode([list(c.token_ids) for g in groups for _, c in g],
+                                            skip_special_tokens=True))
 
     batches = []
     for gi, group in enumerate(groups):
@@ -224,17 +223,18 @@ def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, 
             if lps is None:
                 raise ValueError(f"no sampling log-probs for prompt {prompt_text!r} (uid={uid!r}): "
                                  "generate with SamplingParams(..., logprobs=0)")
-            args = (prompt_text, comp.text) if metadata is None else (prompt_text, comp.text, metadata[gi])
+            text = comp.text if texts is None else next(texts)
+            args = (prompt_text, text) if metadata is None else (prompt_text, text, metadata[gi])
             try:
                 value = reward_fn(*args)
             except Exception as e:
                 raise RuntimeError(f"reward_fn raised {type(e).__name__}: {e} on prompt {prompt_text!r}, "
-                                   f"completion {comp.text!r} (uid={uid!r})") from e
+                                   f"completion {text!r} (uid={uid!r})") from e
             rollouts.append(Rollout(
                 prompt_ids=list(out.prompt_token_ids), completion_ids=list(comp.token_ids),
-                sampling_logprobs=lps, reward=_check_reward(value, prompt_text, comp.text),
+                sampling_logprobs=lps, reward=_check_reward(value, prompt_text, text),
                 finish_reason=comp.finish_reason, policy_version=version, prompt=prompt_text,
-                completion=comp.text, uid=uid, device=dev))
+                completion=text, uid=uid, device=dev))
         batches.append(RolloutBatch(rollouts, uid=uid))
     return batches
 
@@ -283,6 +283,94 @@ def collate(rollouts: Iterable[Rollout], *, pad_token_id: int = 0, device=None) 
     return batch.to(device if device is not None else rollouts[0].device)
 
 
+@dataclass
+class PackedBatch:
+    """Whole rollouts laid end to end in one row, no padding: what Trainer.forward_backward runs.
+
+    Positions restart at 0 for every rollout and `cu_seqlens` marks where each begins, so
+    attention that follows either never crosses rollouts. Per-token fields hold one entry per
+    *scored* token: each completion token whose loss_mask is 1, in row order; the model's logits
+    at row position scored[i] score targets[i] (= input_ids[0, scored[i] + 1]).
+    """
+
+    input_ids: torch.Tensor        # (1, L) int64
+    position_ids: torch.Tensor     # (1, L) int64, 0.. for each rollout
+    cu_seqlens: torch.Tensor       # (S+1,) int32, where rollout s starts and ends in the row
+    max_seqlen: int
+    scored: torch.Tensor           # (n,) int64 row positions whose logits score a token
+    targets: torch.Tensor          # (n,) int64
+    old_logprobs: torch.Tensor     # (n,) fp32 sampling log-probs of the targets
+    advantages: torch.Tensor       # (n,) fp32, each token its rollout's advantage
+    seq_index: torch.Tensor        # (n,) int64, which rollout (0..S-1) each token belongs to
+    rollouts: list
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.scored.numel())
+
+    def to(self, device) -> "PackedBatch":
+        return PackedBatch(**{f.name: (getattr(self, f.name).to(device)
+                                       if isinstance(getattr(self, f.name), torch.Tensor)
+                                       else getattr(self, f.name)) for f in fields(self)})
+
+
+def split_by_tokens(rollouts: Sequence[Rollout], parts: int, *, max_tokens: int | None = None
+                    ) -> list[list[Rollout]]:
+    """Greedy longest-first split into `parts` lists of about equal token counts (each to the
+    lightest part; with max_tokens, to the first that still has room, opening a new one when
+    none has). Deterministic; the order inside each part follows the input order."""
+    if max_tokens is None and parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    order = sorted(range(len(rollouts)), key=lambda i: -rollouts[i].num_tokens)
+    bins: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for i in order:
+        n = rollouts[i].num_tokens
+        if max_tokens is None:
+            b = load.index(min(load))
+        else:
+            b = next((k for k in range(len(bins)) if load[k] + n <= max_tokens), None)
+            if b is None:
+                b = len(bins)
+                bins.append([])
+                load.append(0)
+        bins[b].append(i)
+        load[b] += n
+    return [[rollouts[i] for i in sorted(b)] for b in bins if b or max_tokens is None]
+
+
+def pack(rollouts: Sequence[Rollout], max_tokens: int) -> list[PackedBatch]:
+    """Pack rollouts into rows of at most max_tokens tokens (first-fit decreasing; a rollout
+    longer than max_tokens gets a row of its own). Tensors are built on the rollouts' device."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if not rollouts:
+        return []
+    out = []
+    for row in split_by_tokens(rollouts, 0, max_tokens=max_tokens):
+        ids, pos, cu, scored, targets, old, adv, seq = [], [], [0], [], [], [], [], []
+        for s, r in enumerate(row):
+            P, C, o = len(r.prompt_ids), len(r.completion_ids), cu[-1]
+            ids += r.prompt_ids + r.completion_ids
+            pos += range(P + C)
+            cu.append(o + P + C)
+            mask = r.loss_mask if r.loss_mask is not None else [1] * C
+            for j in (j for j in range(C) if mask[j]):
+                scored.append(o + P - 1 + j)               # logits at P-1+j score completion token j
+                targets.append(r.completion_ids[j])
+                old.append(r.sampling_logprobs[j])
+                adv.append(r.advantage)
+                seq.append(s)
+        long = dict(dtype=torch.long)
+        out.append(PackedBatch(
+            torch.tensor([ids], **long), torch.tensor([pos], **long),
+            torch.tensor(cu, dtype=torch.int32), max(b - a for a, b in zip(cu, cu[1:])),
+            torch.tensor(scored, **long), torch.tensor(targets, **long),
+            torch.tensor(old, dtype=torch.float32), torch.tensor(adv, dtype=torch.float32),
+            torch.tensor(seq, **long), list(row)).to(row[0].device))
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # Save / load (JSON lines: one rollout per line, readable and exact)
 
@@ -309,12 +397,12 @@ def load_rollouts(path: str | os.PathLike, *, device=None) -> list[RolloutBatch]
             try:
                 d = json.loads(line)
                 bi, uid = d.pop("batch"), d.pop("batch_uid")
-                r = Rollout(**d, device=str(device or _CONTEXT["device"]))
+                r = Rollout(**d, device=str(device or "cpu"))
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{n}: not a rollout written by save_rollouts ({e})") from e
             batches.setdefault(bi, RolloutBatch([], uid=uid)).rollouts.append(r)
     return [batches[k] for k in sorted(batches)]
 
 
-__all__ = ["Rollout", "RolloutBatch", "TrainBatch", "parse_vllm_outputs", "collate",
-           "save_rollouts", "load_rollouts", "set_rollout_context"]
+__all__ = ["Rollout", "RolloutBatch", "TrainBatch", "PackedBatch", "parse_vllm_outputs", "collate",
+           "pack", "split_by_tokens", "save_rollouts", "load_rollouts"]

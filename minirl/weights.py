@@ -173,3 +173,35 @@ def _content_sum(t: torch.Tensor) -> torch.Tensor:
 
 def bucket_fingerprint(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     return fingerprint(t for _, t in bucket)
+
+
+# ----------------------------------------------------------------------------------------------
+# Verifying a sync: the same check for the co-located engine and for async generators
+
+
+class SyncError(RuntimeError):
+    """A weight sync did not put the trainer's weights into the engine."""
+
+
+def probe_gap(trainer_lp, engine_lp) -> float:
+    """Mean |trainer - engine| log-prob over the probe's tokens; inf when either is not finite
+    (a NaN never passes a tolerance)."""
+    gap = (torch.as_tensor(engine_lp, dtype=torch.float64) -
+           torch.as_tensor(trainer_lp, dtype=torch.float64)).abs().mean().item()
+    return gap if gap == gap and gap != float("inf") else float("inf")
+
+
+def check_sync(gap: float, stuck: bool, *, tolerance: float | None, engine_dtype: torch.dtype,
+               where: str, version: int) -> None:
+    """Raise SyncError when the engine's weights did not change although the trainer's did
+    (`stuck`), or when the probe gap exceeds the tolerance (default 2e-3 for fp32 engines, 0.05
+    else)."""
+    if tolerance is None:
+        tolerance = 2e-3 if engine_dtype == torch.float32 else 0.05
+    if stuck:
+        raise SyncError(f"weight sync changed nothing in {where} although the trainer's weights "
+                        f"changed (policy version {version})")
+    if not gap <= tolerance:
+        raise SyncError(f"after sync, {where} and the trainer's log-probs of the probe differ by "
+                        f"{gap:.4f} on average (tolerance {tolerance}): {where} does not hold the "
+                        f"trainer's weights (policy version {version})")

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from minirl.core import (
     AGGREGATIONS, aggregate, approx_kl, clip_fraction, clipped_policy_loss, compute_advantages,
-    entropy_from_logits, get_logprobs, kl_k1, kl_k2, kl_k3, log_ratio_stats,
+    entropy_from_logits, get_logprobs, token_logprobs, kl_k1, kl_k2, kl_k3, log_ratio_stats,
     masked_importance_weights, masked_mean, truncated_importance_weights,
 )
 
@@ -398,14 +398,38 @@ def test_get_logprobs_saves_no_fp32_vocab_tensor():
     # Control: the naive version saves full fp32 (B, T, V) tensors, so the hook does see them.
     naive = _saved_tensors(lambda: naive_logprobs(logits, ids))
     assert big_fp32(naive)
-    # get_logprobs and the whole loss on top of it: only the bf16 logits are vocab-sized.
+    # get_logprobs and the whole loss on top of it: only the bf16 logits are vocab-sized (as
+    # the (B*T, V) view get_logprobs works on: no copy).
     saved = _saved_tensors(
         lambda: clipped_policy_loss(get_logprobs(logits, ids, chunk_size=4), old, 1.0))
     assert not big_fp32(saved), saved
     vocab_sized = [s for s in saved if s[0] and s[0][-1] == V]
-    assert vocab_sized == [((B, T - 1, V), torch.bfloat16)]
-    # ... and the rest are (B, T-1)-sized or smaller
-    assert all(math.prod(s[0]) <= B * (T - 1) for s in saved if s not in vocab_sized)
+    assert vocab_sized == [((B * T, V), torch.bfloat16)]
+    # ... and the rest are (B*T)-sized (the targets and logsumexp of every row) or smaller
+    assert all(math.prod(s[0]) <= B * T for s in saved if s not in vocab_sized)
+
+
+def test_get_logprobs_extra_peak_memory_is_at_most_twice_the_logits():
+    """Forward + backward of get_logprobs on bf16 logits of a real vocabulary's width hold at
+    most 2x the logits' own bytes on top of them (their gradient, 1x, plus bounded fp32 chunks),
+    whatever the batch shape: one big batch of short rows here, where chunking along the
+    sequence alone made one fp32 block of the whole batch (7.5x). Live bytes are the
+    allocator's own events (torch.profiler, profile_memory), not the process's RSS."""
+    from torch.profiler import ProfilerActivity, profile
+    B, T, V = 8, 128, 32000
+    logits = torch.randn(B, T, V, dtype=torch.bfloat16).requires_grad_()
+    ids, up = torch.randint(0, V, (B, T)), torch.randn(B, T - 1)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        (grad,) = torch.autograd.grad(get_logprobs(logits, ids), logits, up)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    size = logits.numel() * logits.element_size()
+    assert live == grad.numel() * grad.element_size()       # what is left: the gradient
+    assert size <= peak <= 2 * size, peak / size
 
 
 def test_get_logprobs_errors():
@@ -423,6 +447,8 @@ def test_get_logprobs_errors():
     for bad in (0, -1):
         with pytest.raises(ValueError, match="chunk_size"):
             get_logprobs(logits, ids, chunk_size=bad)
+    with pytest.raises(ValueError, match="targets"):
+        token_logprobs(torch.zeros(4, 5), torch.zeros(3, dtype=torch.long))
 
 
 # ==============================================================================================

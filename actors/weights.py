@@ -1,0 +1,129 @@
+"""WeightPusher: the async trainer's side of a weight sync, over Ray.
+
+    pusher = WeightPusher(trainer, queue, "object_store" | "collective")
+    timings = pusher.push()      # collective over the training ranks; rank 0 ships
+
+- object_store: rank 0 packs each gathered bucket (minirl.transport.pack_bucket), ray.puts it
+  once and every generator fetches it; the queue keeps the latest refs, from which new or
+  restarted generators bootstrap.
+- collective: a standalone NCCL (gloo on CPU) group of rank 0 + every generator, rebuilt when the
+  membership changes; each bucket is broadcast as one flat buffer per dtype.
+Verified by default like the co-located sync: the trainer's probe forward does the gathering,
+and each generator reports its engine's probe log-probs and whether its weights changed.
+Hardware: CPU or GPUs.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import ray
+
+from actors import placement
+from minirl.weights import bucket_layout, check_sync, probe_gap
+
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 0123456789 = 3+4"
+
+
+class WeightPusher:
+    def __init__(self, trainer, queue, transport: str = "object_store", *, verify: bool = True,
+                 timeout_s: float = 600.0):
+        if transport not in ("object_store", "collective"):
+            raise ValueError(f"transport={transport!r}: choose 'object_store' or 'collective'")
+        self.trainer, self.queue, self.transport, self.timeout = trainer, queue, transport, timeout_s
+        self.rank0 = trainer.rank.rank == 0
+        self.probe = None
+        if verify:
+            from transformers import AutoTokenizer
+            self.probe = AutoTokenizer.from_pretrained(trainer.path).encode(PROBE_TEXT)
+        self._fps: dict[int, object] = {}        # version -> trainer checksum of those weights
+        if verify:
+            self._fps[trainer.policy_version], _ = trainer.gather(lambda b: None, dtype=trainer.compute_dtype,
+                                                                  probe_ids=self.probe)
+        self._group, self._members, self.refs = None, (), []
+
+    def push(self) -> dict:
+        tr, t = self.trainer, {}
+        version = tr.publish()
+        gens = placement.get(self.queue.workers.remote(), self.timeout, "rollout queue") if self.rank0 else {}
+        if self.transport == "object_store":
+            refs = []
+            ship = (lambda b: refs.append(ray.put(_pack(b)))) if self.rank0 else (lambda b: None)
+            fp, lp = tr.gather(ship, dtype=tr.compute_dtype, probe_ids=self.probe)
+            if self.rank0:
+                self.refs = refs                 # kept alive: restarted generators fetch them
+                placement.get(self.queue.set_version.remote(version, refs), self.timeout, "rollout queue")
+                acks = {w: h.load_from_store.remote(version, refs, self.probe) for w, h in gens.items()}
+        else:
+            acks, ship = (self._broadcast_to(gens, version, t) if self.rank0 else ({}, lambda b: None))
+            fp, lp = tr.gather(ship, dtype=tr.compute_dtype, probe_ids=self.probe)
+            if self.rank0:
+                placement.get(self.queue.set_version.remote(version, None), self.timeout, "rollout queue")
+        if not self.rank0:
+            return t
+        t0 = time.perf_counter()
+        done, pending = ray.wait(list(acks.values()), num_returns=len(acks), timeout=self.timeout)
+        if pending:
+            late = [w for w, r in acks.items() if r in pending]
+            raise TimeoutError(f"weight sync v{version}: generators {late} did not load within {self.timeout} s")
+        loads = []
+        for wid, ref in acks.items():
+            try:
+                ack = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                continue          # died meanwhile: it restarts and bootstraps from the object store
+            loads.append(ack["load_s"])
+            if self.probe is not None:
+                before = self._fps.get(ack["from_version"])
+                stuck = before is not None and not _equal(before, fp) and not ack["changed"]
+                check_sync(probe_gap(lp, ack["probe_logprobs"]), stuck, tolerance=None,
+                           engine_dtype=tr.compute_dtype, where=f"generator {wid}", version=version)
+        if self.probe is not None:
+            self._fps = {v: f for v, f in self._fps.items() if v >= version - 8} | {version: fp}
+        t.update(acks_s=time.perf_counter() - t0, generators=float(len(loads)),
+                 gen_load_s=max(loads, default=0.0), policy_version=float(version))
+        return t
+
+    def _broadcast_to(self, gens: dict, version: int, t: dict):
+        """(acks, ship): generators start receiving, then ship(bucket) broadcasts each bucket."""
+        from minirl.distributed import free_port
+        from minirl.transport import BroadcastGroup, BucketMeta
+        members = tuple(sorted(gens))
+        t0 = time.perf_counter()
+        if members != self._members:    # (re)build: a generator joined, left or restarted
+            self.close()
+            host = ray.util.get_node_ip_address()
+            port, prefix, world = free_port(host), f"wsync-{uuid.uuid4().hex[:8]}", len(members) + 1
+            joins = [gens[w].join_group.remote(host, port, i + 1, world, prefix, self.timeout)
+                     for i, w in enumerate(members)]
+            self._group = BroadcastGroup(host, port, 0, world, prefix=prefix, device=self.trainer.device,
+                                         timeout_s=self.timeout)
+            placement.get(joins, self.timeout, "generators joining the broadcast group")
+            self._members = members
+        t["group_s"] = time.perf_counter() - t0
+        metas = [BucketMeta.of_layout(layout) for layout in
+                 bucket_layout(self.trainer.model, dtype=self.trainer.compute_dtype)]
+        acks = {w: gens[w].recv_broadcast.remote(version, metas, self.probe) for w in members}
+        order = iter(metas)
+
+        def ship(bucket):
+            if BucketMeta.of(bucket) != next(order):
+                raise RuntimeError("the trainer gathered its weights in another order than it announced "
+                                   "to the generators: use transport='object_store' for this model")
+            self._group.send(bucket)
+        return acks, ship
+
+    def close(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group, self._members = None, ()
+
+
+def _pack(bucket):
+    from minirl.transport import pack_bucket
+    return pack_bucket(bucket)
+
+
+def _equal(a, b) -> bool:
+    return bool((a == b).all())

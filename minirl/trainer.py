@@ -1,0 +1,337 @@
+"""The one trainer under both backends: an FSDP2 model, its AdamW, and the step verbs.
+
+    trainer = Trainer("Qwen/Qwen3-0.6B", TrainerConfig(lr=1e-6))
+    metrics = trainer.forward_backward(rollouts, loss_fn)   # gradients of the global token mean
+    trainer.optim_step()                                   # clip, refuse non-finite, step
+
+`forward_backward` packs the rollouts into rows of at most `micro_batch_tokens` tokens
+(positions restart per rollout; attention never crosses rollouts: varlen flash attention on
+CUDA, a block-diagonal mask on CPU), computes log-probs only where a token is scored, and
+accumulates the gradient of sum(loss) / num_global_tokens over every micro-batch and rank: the
+token mean of the whole global batch, however the rollouts split. `loss_fn(logprobs, batch,
+logits) -> (per_token_loss, {name: per_token_value})` sees one packed micro-batch
+(minirl.data.PackedBatch: old_logprobs, advantages, seq_index... one entry per scored token).
+
+The trainer also owns the policy version, checkpoints and the full-weight gathering that the
+co-located WeightManager and the async trainer use to move weights to vLLM. One rank per
+process: a single process, one per GPU under torchrun, or one per Ray actor. Precision: bf16
+compute with fp32 master weights and AdamW state on CUDA, fp32 on CPU. Hardware: CPU or GPUs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from minirl.core import token_logprobs
+from minirl.data import pack, split_by_tokens
+from minirl.distributed import init_distributed, pick_device
+from minirl.weights import bucket_fingerprint, full_weight_buckets, gather_during_forward
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """Optimizer, precision and batching of one Trainer."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this (None: no clipping; the norm is still checked)."""
+    mixed_precision: str = "auto"
+    """"auto" (bf16 compute + fp32 master weights on CUDA, fp32 on CPU), "bf16" or "fp32"."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (HF gradient checkpointing)."""
+    micro_batch_tokens: int = 16384
+    """Token budget of one packed micro-batch (a longer rollout gets a row of its own)."""
+    attention: str = "auto"
+    """"varlen" (torch's flash varlen kernel: CUDA), "sdpa" (a block-diagonal mask), or
+    "auto": varlen on CUDA when torch has it, else sdpa."""
+    seed: int = 0
+    dist_timeout_s: float = 600.0
+    """Timeout of every collective in the training process group."""
+    trust_remote_code: bool = False
+
+
+def check_model_path(model: str) -> str:
+    """A local HF directory (resolved) or a hub name; FileNotFoundError naming what is wrong."""
+    p = Path(model).expanduser()
+    if p.exists():
+        if not (p / "config.json").exists():
+            raise FileNotFoundError(f"{p} has no config.json: pass a Hugging Face model directory "
+                                    "(config.json, weights, tokenizer) or a hub name")
+        return str(p.resolve())
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise FileNotFoundError(f"model {model!r} not found: no such directory, and not a hub name "
+                                "of the form 'org/name'")
+    try:  # a hub name: resolvable from the local cache or the hub?
+        from transformers import AutoConfig
+        AutoConfig.from_pretrained(model)
+    except Exception as e:
+        raise FileNotFoundError(f"model {model!r} is neither a local directory nor loadable from the "
+                                f"Hugging Face hub ({type(e).__name__}: {e}); download it first or "
+                                "pass its local path") from e
+    return model
+
+
+def model_identity(model: str) -> str:
+    """What two processes compare to check they serve the same model: a hub name as is; for a
+    local directory, a hash of config.json and the weight files' names and sizes (so the same
+    model unpacked in two job working directories matches)."""
+    p = Path(model)
+    if not p.is_dir():
+        return model
+    h = hashlib.sha1((p / "config.json").read_bytes())
+    for f in sorted(p.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return f"{p.name}@{h.hexdigest()[:12]}"
+
+
+def precision(name: str, device: torch.device) -> torch.dtype:
+    """The compute dtype for mixed_precision=name on device; ValueError for what cannot work."""
+    if name == "fp16":
+        raise ValueError("mixed_precision='fp16' needs loss scaling, which minirl does not do: use 'bf16'")
+    if name not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"mixed_precision={name!r}: choose 'auto', 'bf16' or 'fp32'")
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"mixed_precision='bf16' but {torch.cuda.get_device_name(device)} has no bf16: "
+                         "use 'fp32'")
+    return torch.bfloat16 if name == "bf16" else torch.float32
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (no "
+                         "_no_split_modules): minirl shards per decoder layer")
+    return layers
+
+
+def _varlen_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
+                      cu_seq_lens_q=None, max_length_q=None, **kwargs):
+    """transformers attention over packed rows with torch's flash varlen kernel: (B, H, T, D) in,
+    (B, T, H, D) out. Rows without cu_seq_lens are one sequence each; a padded batch (an
+    attention mask: collate's right padding) takes transformers' exact SDPA path instead."""
+    from torch.nn.attention.varlen import varlen_attn
+    if attention_mask is not None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    B, H, T, D = query.shape
+    if cu_seq_lens_q is None:
+        cu_seq_lens_q, max_length_q = torch.arange(0, (B + 1) * T, T, dtype=torch.int32,
+                                                   device=query.device), T
+    q = query.transpose(1, 2).reshape(B * T, H, D)
+    k, v = (x.transpose(1, 2).reshape(B * T, -1, D) for x in (key, value))
+    if k.shape[1] != H:                                  # grouped-query attention
+        k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))
+    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q,
+                      scale=scaling, window_size=(-1, 0))     # (-1, 0): causal
+    return out.view(B, T, H, D), None
+
+
+def _attention(name: str, device: torch.device) -> str:
+    """The transformers attn_implementation for TrainerConfig.attention (registers varlen)."""
+    if name not in ("auto", "varlen", "sdpa"):
+        raise ValueError(f"attention={name!r}: choose 'auto', 'varlen' or 'sdpa'")
+    try:
+        import torch.nn.attention.varlen  # noqa: F401
+        has_varlen = device.type == "cuda"
+    except ImportError:
+        has_varlen = False
+    if name == "varlen" and not has_varlen:
+        raise ValueError("attention='varlen' needs CUDA and torch.nn.attention.varlen (torch >= 2.10): "
+                         "use 'sdpa'")
+    if name == "sdpa" or not has_varlen:
+        return "sdpa"
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register("minirl_varlen", _varlen_attention)
+    AttentionMaskInterface.register(
+        "minirl_varlen", lambda **kw: None if kw.get("attention_mask") is None else sdpa_mask(**kw))
+    return "minirl_varlen"
+
+
+def load_fsdp_model(path: str, device: torch.device, world: int, compute_dtype: torch.dtype, *,
+                    activation_checkpointing: bool = False, attention: str = "auto",
+                    trust_remote_code: bool = False):
+    """Load an HF causal LM in fp32 and shard it with FSDP2: each decoder layer, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation=_attention(attention, device),
+                                                 trust_remote_code=trust_remote_code)
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mesh = init_device_mesh(device.type, (world,))
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.to(device)
+    return model
+
+
+class Trainer:
+    """One FSDP2 training rank: model, AdamW, policy version, checkpoints, weight gathering.
+
+    Trainer(model, config): `model` is a local HF directory or a hub name. Collective verbs
+    (forward_backward, optim_step, gather, checkpoints) are called by every rank in the same order.
+    """
+
+    def __init__(self, model: str, config: TrainerConfig | None = None):
+        cfg = self.config = config or TrainerConfig()
+        if cfg.micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1, got {cfg.micro_batch_tokens}")
+        self.path = check_model_path(model)
+        self.compute_dtype = precision(cfg.mixed_precision, pick_device(int(os.environ.get("LOCAL_RANK", 0))))
+        self.rank = init_distributed(cfg.dist_timeout_s)
+        self.device = self.rank.device
+        torch.manual_seed(cfg.seed + self.rank.rank)
+        self.model = load_fsdp_model(self.path, self.device, self.rank.world_size, self.compute_dtype,
+                                     activation_checkpointing=cfg.activation_checkpointing,
+                                     attention=cfg.attention, trust_remote_code=cfg.trust_remote_code)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                           eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                           fused=self.device.type == "cuda")
+        self.optimizer.register_step_post_hook(lambda *_: setattr(self, "stepped", True))
+        self.policy_version = 0
+        """The version of the last published weights (publish() counts them)."""
+        self.stepped = False
+        """True when the optimizer stepped since the last publish()."""
+
+    # -- the step verbs ---------------------------------------------------------------------------
+
+    def forward_backward(self, rollouts, loss_fn, *, temperature: float = 1.0,
+                         num_global_tokens: int | None = None) -> dict[str, float]:
+        """Accumulate the gradient of sum(loss_fn's per-token loss) / num_global_tokens.
+
+        `rollouts` are this rank's (any split: see rebalance). num_global_tokens defaults to the
+        scored tokens of every rank's rollouts (an all-reduce), which makes the result the token
+        mean over the global batch; pass it to spread one batch over several calls. Ranks may
+        hold different numbers of micro-batches (the short ones run empty passes). Returns the
+        global token means of the loss and of every value loss_fn reports, and "tokens".
+        """
+        self.model.train()
+        mbs = pack(list(rollouts), self.config.micro_batch_tokens)
+        counts = torch.tensor([sum(mb.num_tokens for mb in mbs), len(mbs)], device=self.device)
+        if self.rank.world_size > 1:
+            dist.all_reduce(counts[:1])
+            dist.all_reduce(counts[1:], op=dist.ReduceOp.MAX)
+        total = int(counts[0]) if num_global_tokens is None else int(num_global_tokens)
+        scale = self.rank.world_size / max(total, 1)       # FSDP2 averages gradients over ranks
+        sums: dict[str, torch.Tensor] = {}
+        for i in range(int(counts[1])):
+            mb = mbs[i].to(self.device) if i < len(mbs) else None
+            ids = mb.input_ids if mb else torch.zeros(1, 2, dtype=torch.long, device=self.device)
+            keep = mb.scored if mb else torch.zeros(0, dtype=torch.long, device=self.device)
+            extra = dict(position_ids=mb.position_ids, cu_seq_lens_q=mb.cu_seqlens,
+                         cu_seq_lens_k=mb.cu_seqlens, max_length_q=mb.max_seqlen,
+                         max_length_k=mb.max_seqlen) if mb else {}
+            logits = self.model(ids, use_cache=False, logits_to_keep=keep, **extra).logits[0]  # (n, V)
+            if mb is None:
+                (logits.sum() * 0).backward()              # an empty pass: FSDP2 collectives match
+                continue
+            lp = token_logprobs(logits, mb.targets, temperature=temperature)      # (n,)
+            per_token, stats = loss_fn(lp, mb, logits)
+            loss = per_token.sum()
+            (loss * scale).backward()
+            for k, v in {"loss": loss, **stats}.items():
+                sums[k] = sums.get(k, 0.0) + v.detach().float().sum()
+        keys = sorted(sums)
+        vec = torch.stack([torch.as_tensor(sums[k], device=self.device) for k in keys]) if keys else None
+        if vec is not None and self.rank.world_size > 1:
+            dist.all_reduce(vec)
+        out = {k: float(v) / max(total, 1) for k, v in zip(keys, vec.tolist())} if keys else {}
+        return {**out, "tokens": total, "micro_batches": int(counts[1])}
+
+    def optim_step(self) -> dict[str, float]:
+        """Clip the gradient norm, refuse a non-finite one, step AdamW, free the gradients."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                              self.config.max_grad_norm or float("inf"))
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if not torch.isfinite(torch.tensor(norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"gradient norm is {norm}: the step was refused (weights "
+                                     "unchanged). Look for NaN/inf rewards, advantages or log-probs")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": norm}
+
+    def rebalance(self, rollouts: list) -> list:
+        """Every rank's rollouts, re-split so each rank holds about as many tokens (collective)."""
+        if self.rank.world_size == 1:
+            return list(rollouts)
+        parts = [None] * self.rank.world_size
+        dist.all_gather_object(parts, list(rollouts))
+        mine = split_by_tokens([r for p in parts for r in p], self.rank.world_size)[self.rank.rank]
+        return [r.to(self.device) for r in mine]
+
+    # -- weights ----------------------------------------------------------------------------------
+
+    def publish(self) -> int:
+        """The version of the weights as they are now: a new one if the optimizer stepped since
+        the last publish(), else the same."""
+        if self.stepped:
+            self.policy_version += 1
+            self.stepped = False
+        return self.policy_version
+
+    def gather(self, on_bucket, *, dtype: torch.dtype, probe_ids: list[int] | None = None):
+        """Hand every full weight to on_bucket([(hf_name, tensor)]), one FSDP unit at a time
+        (collective). With probe_ids, the trainer's forward of the probe does the gathering, and
+        (checksum of all weights handed over, the probe's log-probs) come back; else (None, None)."""
+        from minirl.core import get_logprobs
+        if probe_ids is None:
+            for bucket in full_weight_buckets(self.model, dtype=dtype):
+                on_bucket(bucket)
+            return None, None
+        fp = torch.zeros((), dtype=torch.int64, device=self.device)
+
+        def both(bucket):
+            nonlocal fp
+            on_bucket(bucket)
+            fp = fp + bucket_fingerprint(bucket)
+
+        ids = torch.tensor([probe_ids], device=self.device)
+        logits = gather_during_forward(self.model, lambda: self.model(ids).logits, both, dtype=dtype)
+        return fp.cpu(), get_logprobs(logits, ids)[0].cpu()
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def compat(self) -> dict:
+        """What a checkpoint must share with the run resuming from it."""
+        from minirl.checkpoint import tokenizer_hash
+        return {"model": model_identity(self.path), "tokenizer": tokenizer_hash(self.path),
+                "mixed_precision": self.config.mixed_precision, "optimizer": "AdamW"}
+
+    def save_checkpoint(self, ckpt, step: int, *, state: dict | None = None, objects: dict | None = None,
+                        export_hf: bool = False):
+        """ckpt.save(...) of model, optimizer, RNG, the policy version (weights stepped since the
+        last publish are the next version's) and `state` (JSON). Collective. Returns the path."""
+        state = {"policy_version": self.policy_version + int(self.stepped), **(state or {})}
+        return ckpt.save(step, self.model, self.optimizer, state=state, compat=self.compat(),
+                         objects=objects, hf_from=self.path if export_hf else None)
+
+    def load_checkpoint(self, ckpt, path=None) -> dict:
+        """Restore model, optimizer, RNG and policy version (the latest checkpoint by default).
+        Raises CheckpointError if it was made with another model, tokenizer or precision."""
+        out = ckpt.load(self.model, self.optimizer, path=path, compat=self.compat())
+        self.policy_version, self.stepped = out["state"]["policy_version"], False
+        self.optimizer.zero_grad(set_to_none=True)
+        return out
+
+    def close(self) -> None:
+        if self.rank.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
