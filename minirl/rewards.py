@@ -35,7 +35,7 @@ _NUMBER = re.compile(r"-?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)(?:/\d+)?")
 _UNITS = re.compile(r"(?<=\S)(?:\s+[a-zA-Z]{2,}\.?(?:\^\{?\d\}?)?)+\s*$")  # " cm^2", " dollars"
 # All that may reach sympy's parser (it evals): digits, operators, sqrt, pi, one-letter symbols;
 # no 1e9 notation (1e999999999 would be expanded exactly).
-_SAFE = re.compile(r"(?!.*\d[eE][-+\d])(?:\d|\.(?=\d)|[-+*/()\s]|sqrt|pi|[a-z](?![a-z]))*")
+_SAFE = re.compile(r"(?!.*\d[eE][-+\d])(?:\d|\.(?=\d)|[-+*/()\s]|sqrt|pi|[a-z](?![a-z]))*", re.S)
 
 
 def _group(s: str, i: int) -> tuple[str, int] | None:
@@ -255,10 +255,10 @@ def run_code(code: str, tests: str | list[str], *, timeout_s: float = 5.0,
     job = json.dumps({"code": code, "tests": tests, "nonce": nonce, "limits": limits}).encode()
     with tempfile.TemporaryDirectory(prefix="minirl-code-", ignore_cleanup_errors=True) as tmp:
         out, err = os.path.join(tmp, ".stdout"), os.path.join(tmp, ".stderr")
-        with open(out, "wb") as fo, open(err, "wb") as fe:
-            proc = subprocess.Popen([*_netns_prefix(), sys.executable, "-I", "-c", _HARNESS],
-                                    cwd=tmp, env={"PATH": os.defpath}, stdin=subprocess.PIPE,
-                                    stdout=fo, stderr=fe, start_new_session=True)
+        with open(out, "wb") as fo, open(err, "wb") as fe, subprocess.Popen(
+                [*_netns_prefix(), sys.executable, "-I", "-c", _HARNESS], cwd=tmp,
+                env={"PATH": os.defpath}, stdin=subprocess.PIPE, stdout=fo, stderr=fe,
+                start_new_session=True) as proc:     # on exit: closes stdin, waits
             try:    # the job goes in on stdin, which the code then finds at its end
                 proc.communicate(job, timeout=timeout_s)
                 timed_out = False
@@ -268,7 +268,6 @@ def run_code(code: str, tests: str | list[str], *, timeout_s: float = 5.0,
                 os.killpg(proc.pid, 9)
             except (ProcessLookupError, PermissionError):
                 pass
-            proc.wait()
         with open(out, errors="replace") as fo, open(err, errors="replace") as fe:
             reports = [json.loads(ln[len(nonce):]) for ln in fo  # whole lines only
                        if ln.startswith(nonce) and ln.endswith("\n")]

@@ -1,7 +1,7 @@
 """minirl.rewards: math extraction and equality, the code sandbox, format rewards, combine.
 
-CPU only, a few seconds (each run_code case starts one Python process, ~0.1 s; the two hang
-cases wait for their 1 s limit).
+CPU only; about 15 s on 2 cores, a third of it importing minirl (torch). Each run_code case
+starts one Python process (~0.1 s); the two hang cases wait out their 1 s limit.
 """
 
 import logging
@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -80,7 +81,9 @@ def test_math_not_equal(a, b):
 
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("a", [
-    "9^{9^{9^{9}}}", "1e999999999", "(a+b+c+d+e+f+g+h)^{10}", "(x+1)^{100000}",
+    "9^{9^{9^{9}}}", "1e999999999", "2\n1e999999999", "(a+b+c+d+e+f+g+h)^{10}",
+    "(x+1)^{100000}",
+    "\\dfrac{5^{\\left(5^{\\left(5^{\\left(5^5\\right)}\\right)} - 4\\right)} - 5}{16}",
     "(a+b+c+d)^2 (e+f+g+h)^2 (i+j+k+l)^2 (m+n+o+p)^2 (q+r+s+t)^2",
     "__import__('os').system('true')", "(1).__class__", "x " + "aa " * 160 + "!",
 ])
@@ -88,6 +91,11 @@ def test_math_equal_hostile_inputs_return_quickly(a):
     t = time.perf_counter()
     assert not math_equal(a, "1")
     assert time.perf_counter() - t < 2
+
+
+def test_math_equal_works_off_the_main_thread():     # no signal-based timeouts
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(math_equal, ["0.5", "2^{10}"], ["\\frac{1}{2}", "1024"])) == [True] * 2
 
 
 @pytest.mark.parametrize("completion, answer, expected", [
@@ -141,11 +149,12 @@ def test_extract_code(completion, expected):
     ("x = bytearray(2 << 30)", ["assert True"], "memory", 0),
     (F + "if __name__ == '__main__':\n    input()", ["assert f(0) == 1"], "ok", 1),
     ("import sys; data = sys.stdin.read()", ["assert data == ''"], "ok", 1),
-    (F + "print('0' * 32 + '[\"ok\", 9]')", ["assert False"], "fail", 0),  # forged report
+    (F + "print('0' * 32 + '[\"ok\", 9]')", ["assert False"], "fail", 0),  # no nonce: ignored
 ])
 def test_run_code(code, tests, status, passed):
     r = run_code(code, tests, memory_mb=256)
-    assert (r.status, r.passed, r.total) == (status, passed, 1 if isinstance(tests, str) else len(tests))
+    total = 1 if isinstance(tests, str) else len(tests)
+    assert (r.status, r.passed, r.total) == (status, passed, total)
 
 
 @pytest.mark.parametrize("code", [
