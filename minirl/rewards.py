@@ -308,7 +308,8 @@ def code_reward(completion: str, tests: str | list[str], *, timeout_s: float = 5
 def format_reward(completion: str, tags: tuple[str, ...] | list[str] = ("answer",), *,
                   boxed: bool = False) -> float:
     """1.0 if each tag appears exactly once as a non-empty `<tag>...</tag>`, in the given order,
-    and (if boxed) a complete `\\boxed{...}` is present; else 0.0. tags=() checks only boxed."""
+    and (if boxed) the last complete `\\boxed{...}` is non-empty; else 0.0. tags=() checks only
+    boxed. Tags are matched exactly: `<Answer>` or `<answer id=1>` is not `<answer>`."""
     if isinstance(tags, str):
         raise TypeError(f"tags must be a tuple of tag names, e.g. ({tags!r},), not a str")
     pos = 0
@@ -318,7 +319,7 @@ def format_reward(completion: str, tags: tuple[str, ...] | list[str] = ("answer"
         if len(found) != 1 or not found[0][1].strip() or found[0].start() < pos:
             return 0.0
         pos = found[0].end()
-    return 0.0 if boxed and _last_boxed(completion) is None else 1.0
+    return 0.0 if boxed and not (_last_boxed(completion) or "").strip() else 1.0
 
 
 def combine(*pairs):

@@ -247,6 +247,15 @@ def test_code_reward_rejects_bad_tests(tests, error, match):
     ("so \\boxed{\\frac{1}{2}}", {"tags": (), "boxed": True}, 1.0),
     ("so \\boxed{\\frac{1}{2}", {"tags": (), "boxed": True}, 0.0),  # unbalanced
     ("anything", {"tags": ()}, 1.0),
+    ("\\boxed{ }", {"tags": (), "boxed": True}, 0.0),              # empty box
+    ("\\boxed{} then \\boxed{3}", {"tags": (), "boxed": True}, 1.0),  # the last box counts
+    ("<Answer>72</Answer>", {}, 0.0),                            # tags are case-sensitive
+    ('<answer id="1">72</answer>', {}, 0.0),                     # no attributes
+    ("<answer><b>72</b></answer>", {}, 1.0),                     # markup inside is content
+    ("<think>\nstep 1\nstep 2\n</think>\n<answer>72</answer>", {"tags": ("think", "answer")}, 1.0),
+    ("<think>a<answer>72</answer></think>", {"tags": ("think", "answer")}, 0.0),  # nested
+    ("<think>a</think><think>b</think><answer>7</answer>", {"tags": ("think", "answer")}, 0.0),
+    ("<answer>\\boxed{\\frac{1}{2}}</answer>", {"tags": ["answer"], "boxed": True}, 1.0),
 ])
 def test_format_reward(completion, kwargs, expected):
     assert format_reward(completion, **kwargs) == expected
