@@ -150,16 +150,18 @@ class RolloutServer:
         try:
             deadline = None if timeout_s is None else time.time() + timeout_s
             while True:
+                finished = placement.get(self.queue.finished.remote(), self.timeout, "rollout queue")
                 for wid, g in list(self.generators.items()):
                     if not g["ready"] and ray.wait([g["info"]], timeout=0)[0]:
                         g["ready"] = True     # placed (perhaps on a node the autoscaler just added)
-                    if g["ready"] and g["run"] is None and not g.get("draining") and time.time() >= g["retry_at"]:
+                    if (g["ready"] and g["run"] is None and not finished and not g.get("draining")
+                            and time.time() >= g["retry_at"]):
                         g["run"] = g["actor"].run.remote(self.per_call)
                 runs = {g["run"]: w for w, g in self.generators.items() if g["run"] is not None}
+                if not runs and finished:
+                    return
                 for ref in ray.wait(list(runs), num_returns=1, timeout=0.5)[0] if runs else ():
                     self._finished_run(runs[ref], ref)
-                if not runs and placement.get(self.queue.finished.remote(), self.timeout, "rollout queue"):
-                    return
                 if not runs:
                     time.sleep(0.2)
                 if deadline is not None and time.time() > deadline:

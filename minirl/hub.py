@@ -136,9 +136,9 @@ class RolloutHub:
 
     def take_prompts(self, worker_id: str, k: int, version: int | None = None) -> list[PromptItem] | None:
         """Lease up to k pending prompts (oldest first) to `worker_id`; [] when none are pending;
-        None (leasing nothing) when the worker's weights `version` are too_stale: it must load
-        newer weights first. Returns copies: the generator may keep or change them freely."""
-        if version is not None and self.too_stale(version):
+        None (leasing nothing) when some are but the worker's weights `version` are too_stale:
+        it must load newer weights first. Returns copies: the generator may keep or change them freely."""
+        if self._pending and version is not None and self.too_stale(version):
             return None
         out = []
         while self._pending and len(out) < k:

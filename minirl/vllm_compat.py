@@ -95,6 +95,8 @@ def engine_kwargs(user: dict, *, sleep: bool, seed: int, colocated: bool = True)
 
 
 def build_llm(model: str, **kwargs) -> ManagedLLM:
+    if ON_CPU:   # else vLLM drops this process (and so its trainer) to one torch thread
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     return ManagedLLM(model=model, **kwargs)
 
 

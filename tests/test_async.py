@@ -12,7 +12,8 @@ import ray
 import torch
 
 from minirl import clipped_policy_loss, collate, get_logprobs
-from minirl.async_rl import RolloutServer, TrainWorker
+from actors.server import RolloutServer
+from actors.training import TrainWorker
 from minirl.tasks import get_task
 
 pytestmark = pytest.mark.slow
@@ -122,7 +123,7 @@ def test_killed_generator_restarts_with_current_weights(ray_local, tiny_model):
 
 def test_wrong_queue_name_and_wrong_model(ray_local, tiny_model, tmp_path):
     from actors.queue import connect_queue, create_queue
-    from minirl.colocated import model_identity
+    from minirl.trainer import model_identity
     from minirl.tiny import build_tiny_model
     with pytest.raises(LookupError, match="no rollout queue named nope"):
         connect_queue("nope", timeout_s=0.5)

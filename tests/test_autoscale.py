@@ -303,7 +303,7 @@ def test_cluster_yaml_is_a_valid_autoscaler_config():
 
 def test_generation_pool_scales_up_from_zero_and_down(fake_cluster, tiny_model):
     from actors.training import start_trainers
-    from minirl.async_rl import RolloutServer
+    from actors.server import RolloutServer
 
     t_start = time.time()
     task = get_task("succ")
@@ -356,7 +356,7 @@ def test_generation_pool_scales_up_from_zero_and_down(fake_cluster, tiny_model):
     log(f"replica B: {info}, hub version {hub_version}")
     assert hub_version == 4 and info["version"] == 4 and not info["restarted"]
     assert pg_node(ga["pg"]) != pg_node(gb["pg"])
-    assert set(ray.get(server.hub.workers.remote(), timeout=60)) == {wa, wb}
+    assert set(ray.get(server.queue.workers.remote(), timeout=60)) == {wa, wb}
 
     # 3. Scale down: drain and remove A while phase 2 is being generated; B serves phase 3.
     node_a = pg_node(ga["pg"])
@@ -366,7 +366,7 @@ def test_generation_pool_scales_up_from_zero_and_down(fake_cluster, tiny_model):
     assert server.remove_generator(wa, timeout_s=120) == wa
     log(f"removed {wa} in {time.time() - t0:.1f} s; {server.queue_stats()}")
     assert wa not in server.generators and pg_state(ga["pg"]) == "REMOVED"
-    assert set(ray.get(server.hub.workers.remote(), timeout=60)) == {wb}
+    assert set(ray.get(server.queue.workers.remote(), timeout=60)) == {wb}
     phase(2, close=True)
 
     out = ray.get(done, timeout=300)

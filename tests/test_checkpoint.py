@@ -65,7 +65,7 @@ def test_save_load_keep_and_refuse_corrupt(wm, tmp_path):
         verify(bad)
     assert ckpt.latest().name == "step_00000002"              # never picks it up
     with pytest.raises(CheckpointError, match="does not fit this run: model"):
-        ckpt.load(wm.model, wm.optimizer, compat={**wm._compat(), "model": "other@123"})
+        ckpt.load(wm.model, wm.optimizer, compat={**wm.trainer.compat(), "model": "other@123"})
 
 
 def test_hf_export_loads_in_transformers_and_vllm(wm, tmp_path):
@@ -115,7 +115,7 @@ def test_resume_with_another_model_is_refused(wm, tmp_path):
     path = wm.save_checkpoint(ckpt, 1)
     state = json.loads((path / "state.json").read_text())
     other = build_tiny_model(tmp_path / "other", seed=0, intermediate_size=384)
-    from minirl.colocated import model_identity
+    from minirl.trainer import model_identity
     assert model_identity(str(other)) != state["compat"]["model"]
     with pytest.raises(CheckpointError, match="model"):
         ckpt.load(wm.model, wm.optimizer, compat={**state["compat"], "model": model_identity(str(other))})
@@ -149,8 +149,8 @@ def _loop(worker, ckpt_root, every):
 
 
 def _start(tiny_model, name, resume_from=None):
+    from actors.server import RolloutServer
     from actors.training import start_trainers
-    from minirl.async_rl import RolloutServer
     task = get_task("succ")
     prompts, answers = task.sample(N_PROMPTS, seed=3)
     srv = RolloutServer(tiny_model, name, reward_fn=task.reward, num_generators=1, group_size=4,

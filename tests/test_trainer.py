@@ -1,0 +1,144 @@
+"""The Trainer's verbs on CPU (tiny model, fp32, gloo): packing worked by hand, packed and
+unpacked micro-batches and the single-process seed loop give the same loss and gradients, two
+ranks with uneven rollouts give the update of one rank, a non-finite gradient is refused.
+
+Needs: CPU only. The two-rank test starts torchrun (fresh processes, ~30 s).
+"""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from conftest import run_py
+from minirl import Rollout, clipped_policy_loss, collate, get_logprobs, pack, ppo_loss_fn
+from minirl.data import split_by_tokens
+
+
+def _rollouts(n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        P, C = 2 + i % 3, 3 + (2 * i) % 5
+        ids = torch.randint(2, 60, (P + C,), generator=g).tolist()
+        mask = [1] * C if i % 2 == 0 else [int(j % 3 != 1) for j in range(C)]
+        out.append(Rollout(prompt_ids=ids[:P], completion_ids=ids[P:], loss_mask=mask, reward=0.0,
+                           sampling_logprobs=(-torch.rand(C, generator=g) * 4).tolist(),
+                           advantage=float(torch.randn(1, generator=g)), uid=i))
+    return out
+
+
+def test_pack_by_hand():
+    a = Rollout(prompt_ids=[7, 8], completion_ids=[9, 10, 11], sampling_logprobs=[-1.0, -2.0, -3.0],
+                reward=0.0, advantage=0.5, loss_mask=[1, 0, 1])
+    b = Rollout(prompt_ids=[3], completion_ids=[4, 5], sampling_logprobs=[-4.0, -5.0], reward=0.0,
+                advantage=-1.0)
+    (mb,) = pack([a, b], max_tokens=8)
+    # a (5 tokens) then b (3): positions restart, logits at row position p score token p+1.
+    assert mb.input_ids.tolist() == [[7, 8, 9, 10, 11, 3, 4, 5]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
+    assert mb.cu_seqlens.tolist() == [0, 5, 8] and mb.max_seqlen == 5
+    # a's completion tokens 9 (mask 1), 10 (mask 0: not scored), 11 (mask 1); b's 4 and 5.
+    assert mb.scored.tolist() == [1, 3, 5, 6]
+    assert mb.targets.tolist() == [9, 11, 4, 5]
+    assert mb.old_logprobs.tolist() == [-1.0, -3.0, -4.0, -5.0]
+    assert mb.advantages.tolist() == [0.5, 0.5, -1.0, -1.0]
+    assert mb.seq_index.tolist() == [0, 0, 1, 1] and mb.num_tokens == 4
+    # A budget of 5 tokens: two rows; a rollout longer than the budget still gets a row.
+    assert [m.input_ids.shape[1] for m in pack([a, b], max_tokens=5)] == [5, 3]
+    assert [m.input_ids.shape[1] for m in pack([a, b], max_tokens=2)] == [5, 3]
+
+
+def test_split_by_tokens_balances_and_keeps_order():
+    rs = _rollouts(9)
+    parts = split_by_tokens(rs, 3)
+    assert sorted(r.uid for p in parts for r in p) == list(range(9))
+    loads = [sum(r.num_tokens for r in p) for p in parts]
+    assert max(loads) - min(loads) <= max(r.num_tokens for r in rs)
+    assert all([r.uid for r in p] == sorted(r.uid for r in p) for p in parts)
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model):
+    from minirl.trainer import Trainer, TrainerConfig
+    return Trainer(tiny_model, TrainerConfig(lr=1e-3, max_grad_norm=None))
+
+
+def _grads(model):
+    out = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = None
+    return out
+
+
+def test_packed_unpacked_and_seed_loop_agree(trainer):
+    rs = _rollouts()
+    loss_fn = ppo_loss_fn(clip_high=0.28, entropy=False)
+    results = {}
+    for budget in (10_000, 1):                       # one packed row; one row per rollout
+        trainer.config = dataclasses.replace(trainer.config, micro_batch_tokens=budget)
+        out = trainer.forward_backward(rs, loss_fn)
+        results[budget] = (out, _grads(trainer.model))
+    # The seed loop: right-padded batch, token mean of the clipped loss over the loss mask.
+    batch = collate(rs)
+    lp = get_logprobs(trainer.model(batch.input_ids, attention_mask=batch.attention_mask).logits,
+                      batch.input_ids)
+    loss = clipped_policy_loss(lp, batch.old_logprobs, batch.advantages, mask=batch.loss_mask,
+                               clip_high=0.28)
+    loss.backward()
+    seed = _grads(trainer.model)
+    (packed, g1), (unpacked, g2) = results[10_000], results[1]
+    assert packed["micro_batches"] == 1 and unpacked["micro_batches"] == len(rs)
+    assert packed["tokens"] == unpacked["tokens"] == int(batch.loss_mask.sum())
+    assert packed["loss"] == pytest.approx(unpacked["loss"], abs=1e-6)
+    assert packed["loss"] == pytest.approx(loss.item(), abs=1e-6)
+    for n in g1:
+        torch.testing.assert_close(g1[n], g2[n], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(g1[n], seed[n], atol=1e-6, rtol=1e-5)
+    assert any(g.abs().sum() > 0 for g in g1.values())
+
+
+def test_non_finite_gradient_is_refused(trainer):
+    rs = _rollouts(2)
+    rs[0].advantage = float("nan")
+    before = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters()}
+    trainer.forward_backward(rs, ppo_loss_fn(entropy=False))
+    with pytest.raises(FloatingPointError, match="refused"):
+        trainer.optim_step()
+    assert all(torch.equal(before[n], p.full_tensor()) for n, p in trainer.model.named_parameters())
+    assert all(p.grad is None for p in trainer.model.parameters())
+
+
+TWO_RANKS = """
+import json, sys, torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from test_trainer import _rollouts
+from minirl import ppo_loss_fn
+from minirl.trainer import Trainer, TrainerConfig
+tr = Trainer({model!r}, TrainerConfig(lr=1e-3))
+rs = _rollouts(7)
+world, rank = dist.get_world_size(), dist.get_rank()
+mine = rs if world == 1 else (rs[:2] if rank == 0 else rs[2:])     # uneven on purpose
+out = tr.forward_backward(mine, ppo_loss_fn(entropy=False))
+grads = {{n: p.grad.full_tensor() for n, p in tr.model.named_parameters()}}
+if rank == 0:
+    torch.save(grads, {out!r} + f"/grads_{{world}}.pt")
+    json.dump(out, open({out!r} + f"/out_{{world}}.json", "w"))
+tr.close()
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_with_uneven_rollouts_give_the_one_rank_update(tiny_model, tmp_path):
+    from conftest import ROOT
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS.format(tests=str(ROOT / "tests"), model=tiny_model, out=str(tmp_path)))
+    for n in (1, 2):
+        res = run_py(["-m", "torch.distributed.run", "--nproc_per_node", str(n), str(script)], timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+    g1, g2 = (torch.load(tmp_path / f"grads_{n}.pt") for n in (1, 2))
+    o1, o2 = (json.load(open(tmp_path / f"out_{n}.json")) for n in (1, 2))
+    assert o1["tokens"] == o2["tokens"] and o1["loss"] == pytest.approx(o2["loss"], abs=1e-6)
+    for n in g1:
+        torch.testing.assert_close(g1[n], g2[n], atol=1e-6, rtol=1e-5)
