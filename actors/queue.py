@@ -112,13 +112,14 @@ class RolloutQueueActor:
 
 
 def create_queue(name: str, *, max_batches: int, namespace: str = DEFAULT_NAMESPACE,
-                 model_id: str | None = None):
-    """Get or create the detached queue actor `name` beside its creator (never on an autoscaled
-    generation node, which it would keep alive); ValueError if it exists with other settings."""
+                 model_id: str | None = None, detached: bool = True):
+    """Get or create the queue actor `name` beside its creator (never on an autoscaled generation
+    node, which it would keep alive); ValueError if it exists with other settings. detached: it
+    outlives its creator (ray.kill it, or it dies with the cluster)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     placement.require_ray()
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-    handle = RolloutQueueActor.options(name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
+    handle = RolloutQueueActor.options(name=name, namespace=namespace, lifetime="detached" if detached else None, get_if_exists=True,
                                        scheduling_strategy=here).remote(max_batches, model_id=model_id, name=name)
     have = ray.get(handle.stats.remote(), timeout=RPC_TIMEOUT_S)["max_batches"]
     if have != max_batches:

@@ -4,7 +4,7 @@ Run: `pytest tests/test_queue_actor.py` (one private local Ray cluster for the m
 15 s). Hardware: CPU (any; 2 cores is enough).
 
 Covers backpressure (a producer actor blocks on a full queue until the trainer takes),
-get / put timeouts that name the queue, connect_queue failing fast on a wrong name,
+get / put timeouts that name the queue, staleness set by typed calls, connect_queue failing fast on a wrong name,
 create_queue's get-or-create and its refusal of a conflicting config, batches surviving the
 death of the actor that produced them, and take_prompts waking on add / close.
 """
@@ -80,7 +80,7 @@ def test_backpressure_blocks_producer_until_consumer_gets():
     ready, _ = ray.wait([done], timeout=1.0)
     assert not ready, "the producer should be blocked on the full queue"
     s = get(q.stats.remote())
-    assert s["buffered"] == 2 and s["leased"] == 2 and get(q.space.remote()) == 0
+    assert s["buffered"] == 2 == s["max_batches"] and s["leased"] == 2
     assert [b.uid for b in get(q.get.remote(2, timeout_s=10))] == [0, 1]
     assert [b.uid for b in get(q.get.remote(2, timeout_s=10))] == [2, 3]
     assert get(done) == [0, 1, 2, 3]
@@ -105,10 +105,12 @@ def test_get_timeout_names_the_queue():
     qn = name()
     q = create_queue(qn, max_batches=4, detached=False)
     t0 = time.monotonic()
+    get(q.set_version.remote(2))
+    get(q.set_max_staleness.remote(0))
     with pytest.raises(TimeoutError) as ei:
-        get(q.get.remote(3, min_version=2, timeout_s=0.5))
+        get(q.get.remote(3, timeout_s=0.5))
     msg = str(ei.value)
-    assert qn in msg and "no 3 batches" in msg and ">= 2" in msg and "'buffered': 0" in msg
+    assert qn in msg and "no 3 fresh batches" in msg and "'version': 2" in msg and "'buffered': 0" in msg
     assert time.monotonic() - t0 < 10
     with pytest.raises(ValueError, match="max_batches=4"):     # can never be satisfied
         get(q.get.remote(5, timeout_s=0.5))
@@ -121,7 +123,9 @@ def test_get_recycles_stale_and_waits_for_fresh():
     get(q.add_prompts.remote([PromptItem(uid="a", prompt="x")]))
     get(q.take_prompts.remote("w", 1))
     get(q.put.remote("w", [batch("a", version=0)]))
-    waiting = q.get.remote(1, min_version=1, timeout_s=20)     # blocks: the only batch is stale
+    get(q.set_version.remote(1))
+    get(q.set_max_staleness.remote(0))
+    waiting = q.get.remote(1, timeout_s=20)                     # blocks: the only batch is stale
     items = get(q.take_prompts.remote("w", 1, timeout_s=10))  # recycled prompt comes back
     assert [(it.uid, it.attempts) for it in items] == [("a", 1)]
     get(q.put.remote("w", [batch("a", version=1)]))
@@ -148,7 +152,7 @@ def test_create_queue_get_or_create_and_conflicts():
     assert q3._actor_id == q1._actor_id
     with pytest.raises(ValueError, match="max_batches=3, not 5"):
         create_queue(qn, max_batches=5)
-    with pytest.raises(ValueError, match="serving model org/a, not org/b"):
+    with pytest.raises(ValueError, match="serves model org/a but this worker was started with model org/b"):
         create_queue(qn, max_batches=3, model_id="org/b")
     with pytest.raises(ValueError, match=f"queue {qn} serves model org/a but this worker was "
                                          "started with model org/b"):
@@ -167,7 +171,7 @@ def test_batches_survive_producer_death():
     ray.kill(p)
     with pytest.raises(ray.exceptions.RayActorError):
         get(p.produce.remote(1))
-    out = get(q.get.remote(3, min_version=7, timeout_s=5))
+    out = get(q.get.remote(3, timeout_s=5))
     assert [b.uid for b in out] == [0, 1, 2]
     assert all(isinstance(b, RolloutBatch) and b.policy_version == 7 for b in out)
     assert out[0].rollouts[0].sampling_logprobs == [-0.5]
@@ -212,8 +216,6 @@ def test_workers_versions_and_type_errors():
     assert v == 4 and get(w[0][0]) == {"w": 1}
     with pytest.raises(TypeError, match="RolloutBatch"):
         get(q.put.remote("g0", [{"uid": 0}]))
-    with pytest.raises(TypeError, match="RolloutBatch"):
-        get(q.put_batches.remote("g0", ["nope"]))
     assert get(q.stats.remote())["buffered"] == 0
     ray.kill(q)
 
