@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SETTINGS = {"resident, verified": (0, True), "resident": (0, False), "sleep 2, verified": (2, True),
-            "sleep 2": (2, False)}
+SETTINGS = {"resident-verified": (0, True), "resident": (0, False), "sleep2-verified": (2, True),
+            "sleep2": (2, False)}
 
 
 def measure(model: str, sleep_level: int, verify: bool, args) -> dict:

@@ -1,6 +1,10 @@
-"""What launch/colocated.py and launch/async.py share: the command line and the training block
-of a step (advantages, loss, optimizer steps, metrics). Written once so the two loops differ
-only in where rollouts come from. Not run on its own. Hardware: whatever the loop runs on.
+"""What launch/colocated.py and launch/async.py share: the command line, the training block of a
+step (advantages, loss, optimizer steps, metrics) and the run's set-up. Written once so the two
+loops differ only in where rollouts come from. Not run on its own. Hardware: the loop's.
+
+torch is imported inside the functions, not at the top: with --ray this module travels to the
+actors pickled by value, and cloudpickle, seeing a global `torch` and the name `backends`
+(args.backends), would try to pickle the torch.backends module ("cannot pickle 'GenericModule'").
 """
 
 import argparse
@@ -9,8 +13,6 @@ import json
 import random
 import sys
 from pathlib import Path
-
-import torch
 
 from minirl.core import ppo_loss_fn
 from minirl.trainer import TrainerConfig
@@ -81,6 +83,7 @@ def train_step(trainer, batches, args, step: int) -> dict:
     """GRPO advantages, then args.epochs passes over the batch, each in args.optim_steps optimizer
     steps of accumulated packed micro-batches; every loss is the token mean over the global
     batch. Returns the step's metrics (token means over every rank)."""
+    import torch
     staleness = trainer.policy_version - min(b.policy_version for b in batches)   # versions behind
     for b in batches:
         b.compute_advantages()
@@ -106,6 +109,7 @@ def train_step(trainer, batches, args, step: int) -> dict:
 def tracked(args, trainer):
     """log(step, metrics): metrics averaged over the ranks, written by rank 0 (metrics.jsonl,
     TensorBoard...); the reward curve is drawn at the end."""
+    import torch
     import torch.distributed as dist
     from minirl.tracking import Tracker, plot_metrics
     backends = tuple(b for b in args.backends.split(",") if b)
