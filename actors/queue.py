@@ -6,10 +6,9 @@
     ray.get(q.get.remote(16, 300.0))                            # trainer: within max_staleness
 
 Blocking calls wait on an asyncio.Condition notified on every state change, with a timeout
-(None: forever). Settings and states are typed calls (set_max_staleness, set_version,
-set_trainer_done / wait_trainer_done). Batches cross as values, so they survive the generator
-that made them. State is in memory only: if the actor dies the queue is gone. num_cpus=0.
-Tests: tests/test_queue_actor.py. Hardware: CPU (any).
+(None: forever); settings and states are typed calls. Batches cross as values, so they survive
+the generator that made them. State is in memory only: if the actor dies the queue is gone.
+Tests: tests/test_queue_actor.py. Hardware: CPU (any; num_cpus=0).
 """
 
 from __future__ import annotations
@@ -42,8 +41,7 @@ class RolloutQueueActor:
         self._cond = asyncio.Condition()
 
     async def _until(self, attempt, timeout_s: float | None):
-        """Under the lock, call attempt() now and after every state change until it returns
-        something other than ... (the sentinel), or until timeout_s passes (then ...)."""
+        """Under the lock, attempt() now and after each state change until it is not ... (or timeout)."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         async with self._cond:
@@ -89,7 +87,7 @@ class RolloutQueueActor:
                                 and not self.hub.finished() else got, timeout_s)
         return [] if out is ... else out
 
-    async def wait_trainer_done(self, timeout_s: float | None = 600.0) -> bool:
+    async def wait_trainer_done(self, timeout_s: float | None = 600.0) -> bool:   # the run's end
         return await self._until(lambda: True if self.hub.trainer_done else ..., timeout_s) is True
 
     # -- typed settings and states, and the hub's own calls (mutators wake every waiter) ------

@@ -1,27 +1,25 @@
-"""RolloutServer: the generation side of the async backend, a pool of GenerationActors (one
-placement group each) that feed a named rollout queue.
+"""RolloutServer: the generation side of the async backend: the named rollout queue, its
+prompts, and a GeneratorPool (actors/pool.py) of vLLM actors that feed it.
 
     server = RolloutServer(model, "rollouts", reward_fn=fn, num_generators=2, group_size=8)
     server.submit(prompts, metadata=answers)
     server.run()                     # returns once the trainer has taken every prompt
+    server.wait_trainer_done()       # ... and once it has trained and synced the last of them
 
-Each generator runs its own lease -> generate -> put loop; the server starts those loops,
-restarts one whose actor died (the queue gets its leased prompts back), grows the pool
-(add_generator: a pending placement group asks the autoscaler for a node) and shrinks it
-(remove_generator: drains first). Every wait has a timeout. Hardware: CPU or GPUs.
+The pool grows (add_generator: a pending placement group asks the autoscaler for a node) and
+shrinks (remove_generator: drains first) at run time. Every wait has a timeout. Hardware: CPU
+or GPUs.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-import uuid
 from pathlib import Path
 
 import ray
 
 from actors import placement
-from actors.generation import GenerationActor
+from actors.pool import GeneratorPool
 from actors.queue import DEFAULT_NAMESPACE, create_queue
 
 
@@ -38,59 +36,24 @@ class RolloutServer:
                  ready_timeout_s: float = 600.0, llm_kwargs: dict | None = None):
         from minirl.trainer import check_model_path, model_identity
         placement.ray_init(namespace)
-        self.model, self.name, self.namespace = check_model_path(model), queue_address, namespace
-        self.per_call, self.timeout, self.ready_timeout = prompts_per_call, call_timeout_s, ready_timeout_s
-        self.resources = resources or placement.default_bundle()
+        self.model, self.timeout = check_model_path(model), call_timeout_s
         self.queue = create_queue(queue_address, max_batches=queue_size, namespace=namespace,
                                   model_id=model_identity(self.model))
-        self.gen_kwargs = {"reward_fn": reward_fn, "group_size": group_size, "sampling": sampling,
-                           **(llm_kwargs or {})}
-        self.seed, self._replicas = seed, 0
-        self.generators: dict[str, dict] = {}   # worker_id -> {"actor", "pg", "ready", "run", ...}
-        self.stats = {"prompts": 0, "tokens": 0, "failures": 0, "stale_waits": 0}
+        self.pool = GeneratorPool(self.model, self.queue, queue_address, namespace,
+                                  {"reward_fn": reward_fn, "group_size": group_size, "sampling": sampling,
+                                   **(llm_kwargs or {})}, resources=resources or placement.default_bundle(),
+                                  seed=seed, prompts_per_call=prompts_per_call, call_timeout_s=call_timeout_s,
+                                  ready_timeout_s=ready_timeout_s)
+        self.generators, self.stats = self.pool.generators, self.pool.stats
         self._thread, self._error = None, None
-        for wid in [self.add_generator(wait=False) for _ in range(num_generators)]:
-            self._wait_ready(wid)
-
-    # -- the pool ------------------------------------------------------------------------------
+        for wid in [self.pool.add(wait=False) for _ in range(num_generators)]:
+            self.pool.wait_ready(wid)
 
     def add_generator(self, resources: dict | None = None, *, wait: bool = True) -> str:
-        """One more replica in its own placement group (pending until the cluster can place it);
-        it loads the current weights before it takes prompts."""
-        wid = f"gen-{uuid.uuid4().hex[:8]}"
-        bundle = dict(resources or self.resources)
-        pg = placement.create([bundle], strategy="STRICT_PACK", name=f"{self.name}-{wid}")
-        actor = GenerationActor.options(**placement.on_bundle(
-            pg, 0, num_cpus=bundle.get("CPU", 1), num_gpus=bundle.get("GPU", 0))).remote(
-            self.model, wid, self.name, self.namespace, {**self.gen_kwargs, "seed": self.seed + self._replicas},
-            self.timeout)
-        self._replicas += 1
-        self.generators[wid] = {"actor": actor, "pg": pg, "ready": False, "run": None,
-                                "info": actor.info.remote(), "retry_at": 0.0}
-        if wait:
-            self._wait_ready(wid)
-        return wid
-
-    def _wait_ready(self, wid: str) -> None:
-        g = self.generators[wid]
-        placement.wait_ready(g["pg"], self.ready_timeout, f"generator {wid}")
-        placement.get(g["info"], self.ready_timeout, f"generator {wid}")
-        g["ready"] = True
+        return self.pool.add(resources, wait=wait)
 
     def remove_generator(self, worker_id: str | None = None, *, timeout_s: float | None = None) -> str:
-        """Drain a replica (its batch in hand is kept), then stop it and free its placement group.
-        Default: the newest replica."""
-        wid = worker_id or list(self.generators)[-1]
-        g = self.generators[wid]
-        g["draining"] = True
-        ray.get(g["actor"].stop.remote(), timeout=self.timeout)
-        if g["run"] is not None:
-            ray.wait([g["run"]], timeout=timeout_s or self.timeout)
-        placement.get(self.queue.unregister_worker.remote(wid), self.timeout, "rollout queue")
-        ray.kill(g["actor"], no_restart=True)
-        placement.remove(g["pg"])
-        del self.generators[wid]
-        return wid
+        return self.pool.remove(worker_id, timeout_s=timeout_s)
 
     # -- prompts and the run ---------------------------------------------------------------------
 
@@ -148,40 +111,9 @@ class RolloutServer:
 
     def _watch(self, timeout_s):
         try:
-            deadline = None if timeout_s is None else time.time() + timeout_s
-            while True:
-                finished = placement.get(self.queue.finished.remote(), self.timeout, "rollout queue")
-                for wid, g in list(self.generators.items()):
-                    if not g["ready"] and ray.wait([g["info"]], timeout=0)[0]:
-                        g["ready"] = True     # placed (perhaps on a node the autoscaler just added)
-                    if (g["ready"] and g["run"] is None and not finished and not g.get("draining")
-                            and time.time() >= g["retry_at"]):
-                        g["run"] = g["actor"].run.remote(self.per_call)
-                runs = {g["run"]: w for w, g in self.generators.items() if g["run"] is not None}
-                if not runs and finished:
-                    return
-                for ref in ray.wait(list(runs), num_returns=1, timeout=0.5)[0] if runs else ():
-                    self._finished_run(runs[ref], ref)
-                if not runs:
-                    time.sleep(0.2)
-                if deadline is not None and time.time() > deadline:
-                    raise TimeoutError(f"rollout server: not finished after {timeout_s} s ({self.queue_stats()})")
+            self.pool.watch(timeout_s)
         except BaseException as e:    # surfaced by wait()
             self._error = e
-
-    def _finished_run(self, wid: str, ref) -> None:
-        g = self.generators.get(wid)
-        if g is not None:
-            g["run"] = None
-        try:
-            for k, v in ray.get(ref).items():
-                self.stats[k] += v
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-            self.stats["failures"] += 1
-            self.last_failure = repr(e)[:500]
-            placement.get(self.queue.release_worker.remote(wid), self.timeout, "rollout queue")
-            if g is not None:
-                g["retry_at"] = time.time() + 1.0          # let the actor restart
 
     def queue_stats(self) -> dict:
         return placement.get(self.queue.stats.remote(), self.timeout, "rollout queue")

@@ -1,0 +1,105 @@
+"""GeneratorPool: the generation actors of an async run, one placement group each.
+
+    pool = GeneratorPool(model, "rollouts", namespace, gen_kwargs, resources=..., seed=0)
+    pool.add(); pool.remove(wid); pool.watch()      # watch: until the queue is finished
+
+Each generator runs its own lease -> generate -> put loop (GenerationActor.run); the pool starts
+those loops, starts one again after its actor died and came back (the queue gets the dead one's
+leased prompts back at once), grows (add: a pending placement group asks the autoscaler for a
+node) and shrinks (remove: drains first). Every wait has a timeout. Hardware: CPU or GPUs.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import ray
+
+from actors import placement
+from actors.generation import GenerationActor
+
+
+class GeneratorPool:
+    def __init__(self, model: str, queue, queue_name: str, namespace: str, gen_kwargs: dict, *,
+                 resources: dict, seed: int = 0, prompts_per_call: int = 8, call_timeout_s: float = 600.0,
+                 ready_timeout_s: float = 600.0):
+        self.model, self.queue, self.name, self.namespace = model, queue, queue_name, namespace
+        self.gen_kwargs, self.resources, self.seed, self._replicas = gen_kwargs, resources, seed, 0
+        self.per_call, self.timeout, self.ready_timeout = prompts_per_call, call_timeout_s, ready_timeout_s
+        self.generators: dict[str, dict] = {}   # worker_id -> {"actor", "pg", "ready", "run", ...}
+        self.stats = {"prompts": 0, "tokens": 0, "failures": 0, "stale_waits": 0}
+
+    def add(self, resources: dict | None = None, *, wait: bool = True) -> str:
+        """One more replica in its own placement group (pending until the cluster can place it);
+        it loads the current weights before it takes prompts."""
+        wid = f"gen-{uuid.uuid4().hex[:8]}"
+        bundle = dict(resources or self.resources)
+        pg = placement.create([bundle], strategy="STRICT_PACK", name=f"{self.name}-{wid}")
+        actor = GenerationActor.options(**placement.on_bundle(
+            pg, 0, num_cpus=bundle.get("CPU", 1), num_gpus=bundle.get("GPU", 0))).remote(
+            self.model, wid, self.name, self.namespace, {**self.gen_kwargs, "seed": self.seed + self._replicas},
+            self.timeout)
+        self._replicas += 1
+        self.generators[wid] = {"actor": actor, "pg": pg, "ready": False, "run": None,
+                                "info": actor.info.remote(), "retry_at": 0.0}
+        if wait:
+            self.wait_ready(wid)
+        return wid
+
+    def wait_ready(self, wid: str) -> None:
+        g = self.generators[wid]
+        placement.wait_ready(g["pg"], self.ready_timeout, f"generator {wid}")
+        placement.get(g["info"], self.ready_timeout, f"generator {wid}")
+        g["ready"] = True
+
+    def remove(self, worker_id: str | None = None, *, timeout_s: float | None = None) -> str:
+        """Drain a replica (its batch in hand is kept), then stop it and free its placement group.
+        Default: the newest replica."""
+        wid = worker_id or list(self.generators)[-1]
+        g = self.generators[wid]
+        g["draining"] = True
+        ray.get(g["actor"].stop.remote(), timeout=self.timeout)
+        if g["run"] is not None:
+            ray.wait([g["run"]], timeout=timeout_s or self.timeout)
+        placement.get(self.queue.unregister_worker.remote(wid), self.timeout, "rollout queue")
+        ray.kill(g["actor"], no_restart=True)
+        placement.remove(g["pg"])
+        del self.generators[wid]
+        return wid
+
+    def watch(self, timeout_s: float | None = None) -> None:
+        """Keep every ready generator's loop running until the queue is finished."""
+        deadline = None if timeout_s is None else time.time() + timeout_s
+        while True:
+            finished = placement.get(self.queue.finished.remote(), self.timeout, "rollout queue")
+            for wid, g in list(self.generators.items()):
+                if not g["ready"] and ray.wait([g["info"]], timeout=0)[0]:
+                    g["ready"] = True     # placed (perhaps on a node the autoscaler just added)
+                if (g["ready"] and g["run"] is None and not finished and not g.get("draining")
+                        and time.time() >= g["retry_at"]):
+                    g["run"] = g["actor"].run.remote(self.per_call)
+            runs = {g["run"]: w for w, g in self.generators.items() if g["run"] is not None}
+            if not runs and finished:
+                return
+            for ref in ray.wait(list(runs), num_returns=1, timeout=0.5)[0] if runs else ():
+                self._finished_run(runs[ref], ref)
+            if not runs:
+                time.sleep(0.2)
+            if deadline is not None and time.time() > deadline:
+                raise TimeoutError(f"rollout server: not finished after {timeout_s} s")
+
+    def _finished_run(self, wid: str, ref) -> None:
+        g = self.generators.get(wid)
+        if g is not None:
+            g["run"] = None
+        try:
+            for k, v in ray.get(ref).items():
+                self.stats[k] += v
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            self.stats["failures"] += 1
+            self.last_failure = repr(e)[:500]
+            placement.get(self.queue.release_worker.remote(wid), self.timeout, "rollout queue")
+            if g is not None:
+                g["retry_at"] = time.time() + 1.0          # let the actor restart
+
