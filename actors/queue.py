@@ -91,7 +91,6 @@ class RolloutQueueActor:
         return await self._until(lambda: True if self.hub.trainer_done else ..., timeout_s) is True
 
     # -- typed settings and states, and the hub's own calls (mutators wake every waiter) ------
-
     add_prompts = _locked(RolloutHub.add_prompts)
     close_prompts = _locked(RolloutHub.close_prompts)
     set_max_staleness = _locked(RolloutHub.set_max_staleness)
