@@ -38,7 +38,8 @@ def build_tokenizer():
 
 
 def build_tiny_model(path: str | os.PathLike, *, hidden_size: int = 128, num_layers: int = 2,
-                     num_heads: int = 2, intermediate_size: int = 256, vocab_size: int = 64,
+                     num_heads: int = 2, num_kv_heads: int | None = None, intermediate_size: int = 256,
+                     vocab_size: int = 64,
                      tie_word_embeddings: bool = True, seed: int = 0) -> Path:
     """Write a random-init Qwen3 causal LM plus the character tokenizer to `path`.
 
@@ -58,7 +59,7 @@ def build_tiny_model(path: str | os.PathLike, *, hidden_size: int = 128, num_lay
                          "raise hidden_size or lower num_heads")
     config = Qwen3Config(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads or num_heads,
         head_dim=head_dim, max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings,
         bos_token_id=None, eos_token_id=vocab()["<eos>"], pad_token_id=vocab()["<pad>"],
         torch_dtype="float32", rope_theta=10000.0,

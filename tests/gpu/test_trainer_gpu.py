@@ -45,7 +45,7 @@ def _run(trainer, rollouts, budget):
 def test_varlen_packing_matches_unpacked_and_sdpa(tmp_path):
     from minirl.tiny import build_tiny_model
     from minirl.trainer import Trainer, TrainerConfig
-    model = str(build_tiny_model(tmp_path / "tiny"))
+    model = str(build_tiny_model(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2))  # GQA
     varlen = Trainer(model, TrainerConfig(attention="varlen"))
     sdpa = Trainer(model, TrainerConfig(attention="sdpa"))
     assert varlen.model.config._attn_implementation == "minirl_varlen"
