@@ -102,7 +102,8 @@ def train_step(trainer, batches, args, step: int) -> dict:
             "adv/abs_mean": adv.abs().mean(), "loss": mean["loss"], "clip_frac": mean["clip_frac"],
             "approx_kl": mean["approx_kl"], "entropy": mean["entropy"], "ratio_mean": mean["ratio"],
             "grad_norm": mean["grad_norm"], "tokens/trained": mean["tokens"], "staleness": staleness,
-            "len/completion": sum(len(r.completion_ids) for r in rollouts) / len(rollouts)}
+            "len/completion": sum(len(r.completion_ids) for r in rollouts) / len(rollouts),
+            "len/prompt": sum(len(r.prompt_ids) for r in rollouts) / len(rollouts)}
 
 
 @contextlib.contextmanager

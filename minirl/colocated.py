@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 
 from minirl import vllm_compat as vc
-from minirl.data import Rollout
 from minirl.trainer import Trainer, TrainerConfig, check_model_path, precision
 from minirl.weights import SyncError, check_sync, probe_gap  # noqa: F401  (SyncError: public here)
 
@@ -274,9 +273,8 @@ def _memory_plan(trainer: Trainer, kw: dict, cfg: WeightManagerConfig) -> tuple[
     user_sized = "gpu_memory_utilization" in kw or "kv_cache_memory_bytes" in kw
     if cfg.sleep_level is not None and user_sized:
         return cfg.sleep_level, {}
-    adam = 0 if trainer.optimizer.state else 8 * sum(   # AdamW's two fp32 moments, this rank's shard
-        p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in trainer.model.parameters())
-    peak = _training_peak(trainer) + adam               # bytes, a whole training step
+    adam = trainer.unallocated_optimizer_bytes()
+    peak = trainer.measure_peak()                       # bytes, a whole training step
     now = torch.cuda.memory_allocated(trainer.device)   # weights (no gradients, no Adam state yet)
     free, total = torch.cuda.mem_get_info(trainer.device)
     margin = max(2 * GIB, 0.03 * total)
@@ -285,7 +283,7 @@ def _memory_plan(trainer: Trainer, kw: dict, cfg: WeightManagerConfig) -> tuple[
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * head_dim * dsize
     max_len = kw.get("max_model_len") or mc.max_position_embeddings
-    engine = n_params * dsize + 3 * GIB                 # weights, activations, graphs, sampler
+    engine = n_params * dsize * 1.05 + 4 * GIB          # weights, activations, graphs, sampler
     want = (cfg.kv_cache_gib * GIB if cfg.kv_cache_gib is not None
             else kw.get("max_num_seqs", 256) * max_len * per_token)
     beside_peak = free - margin - (peak - now) - engine
@@ -306,24 +304,3 @@ def _memory_plan(trainer: Trainer, kw: dict, cfg: WeightManagerConfig) -> tuple[
             "smaller model.")
     return level, {"kv_cache_memory_bytes": int(kv),
                    "gpu_memory_utilization": round((engine + kv) / total + 0.005, 4)}
-
-
-def _training_peak(trainer: Trainer) -> int:
-    """Bytes allocated at the peak of one forward_backward over a full micro-batch of random
-    tokens. Leaves no gradients behind."""
-    n = trainer.config.micro_batch_tokens
-    vocab = trainer.model.config.vocab_size
-    ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0)).tolist()
-    dummy = Rollout(prompt_ids=ids[:1], completion_ids=ids[1:], sampling_logprobs=[0.0] * (n - 1),
-                    reward=0.0, device=str(trainer.device))
-    torch.cuda.reset_peak_memory_stats(trainer.device)
-    try:
-        trainer.forward_backward([dummy], lambda lp, mb, logits: (-lp, {}))
-    except torch.cuda.OutOfMemoryError as e:
-        raise MemoryError(f"one micro-batch of {n} tokens does not fit in training memory on its own: "
-                          "lower micro_batch_tokens or set activation_checkpointing=True") from e
-    finally:
-        trainer.optimizer.zero_grad(set_to_none=True)
-    peak = torch.cuda.max_memory_allocated(trainer.device)
-    torch.cuda.empty_cache()
-    return peak

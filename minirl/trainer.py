@@ -46,8 +46,9 @@ class TrainerConfig:
     """Clip the global gradient norm to this (None: no clipping; the norm is still checked)."""
     mixed_precision: str = "auto"
     """"auto" (bf16 compute + fp32 master weights on CUDA, fp32 on CPU), "bf16" or "fp32"."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward (HF gradient checkpointing)."""
+    activation_checkpointing: bool | None = None
+    """Recompute each decoder layer's activations in backward (HF gradient checkpointing). None:
+    off, unless measure_peak() finds that a full micro-batch does not fit without it (CUDA)."""
     micro_batch_tokens: int = 16384
     """Token budget of one packed micro-batch (a longer rollout gets a row of its own)."""
     attention: str = "auto"
@@ -116,6 +117,9 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+_VARLEN_PARAMS: set = set()     # varlen_attn's keyword names in this torch (filled on registration)
+
+
 def _varlen_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
                       cu_seq_lens_q=None, max_length_q=None, **kwargs):
     """transformers attention over packed rows with torch's flash varlen kernel: (B, H, T, D) in,
@@ -134,8 +138,8 @@ def _varlen_attention(module, query, key, value, attention_mask, *, scaling=None
     k, v = (x.transpose(1, 2).reshape(B * T, -1, D) for x in (key, value))
     if k.shape[1] != H:                                  # grouped-query attention
         k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))
-    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q,
-                      scale=scaling, window_size=(-1, 0))     # (-1, 0): causal
+    causal = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}   # torch 2.9
+    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling, **causal)
     return out.view(B, T, H, D), None
 
 
@@ -153,8 +157,11 @@ def _attention(name: str, device: torch.device) -> str:
                          "use 'sdpa'")
     if name == "sdpa" or not has_varlen:
         return "sdpa"
+    import inspect
+    from torch.nn.attention.varlen import varlen_attn
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    _VARLEN_PARAMS.update(inspect.signature(varlen_attn).parameters)
     AttentionInterface.register("minirl_varlen", _varlen_attention)
     AttentionMaskInterface.register(
         "minirl_varlen", lambda **kw: None if kw.get("attention_mask") is None else sdpa_mask(**kw))
@@ -200,7 +207,7 @@ class Trainer:
         self.device = self.rank.device
         torch.manual_seed(cfg.seed + self.rank.rank)
         self.model = load_fsdp_model(self.path, self.device, self.rank.world_size, self.compute_dtype,
-                                     activation_checkpointing=cfg.activation_checkpointing,
+                                     activation_checkpointing=bool(cfg.activation_checkpointing),
                                      attention=cfg.attention, trust_remote_code=cfg.trust_remote_code)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                            eps=cfg.eps, weight_decay=cfg.weight_decay,
@@ -277,6 +284,43 @@ class Trainer:
         dist.all_gather_object(parts, list(rollouts))
         mine = split_by_tokens([r for p in parts for r in p], self.rank.world_size)[self.rank.rank]
         return [r.to(self.device) for r in mine]
+
+    def unallocated_optimizer_bytes(self) -> int:
+        """What AdamW's two fp32 moments of this rank's shard will take at the first step (0 once taken)."""
+        return 0 if self.optimizer.state else 8 * sum(
+            p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in self.model.parameters())
+
+    def measure_peak(self) -> int:
+        """Bytes allocated (CUDA) at the peak of one forward_backward over a full micro-batch of
+        random tokens, plus the AdamW state the first step adds. With activation_checkpointing
+        None, turns recomputation on when that micro-batch does not fit without it. Leaves no
+        gradients behind; MemoryError when it does not fit at all."""
+        from minirl.data import Rollout
+        n, dev = self.config.micro_batch_tokens, self.device
+        ids = torch.randint(0, self.model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+        dummy = Rollout(prompt_ids=ids[:1].tolist(), completion_ids=ids[1:].tolist(), reward=0.0,
+                        sampling_logprobs=[0.0] * (n - 1), device=str(dev))
+        adam = self.unallocated_optimizer_bytes()
+        for recompute in (False, True):
+            if recompute:
+                if self.config.activation_checkpointing is not None:
+                    break
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+            try:
+                self.forward_backward([dummy], lambda lp, mb, logits: (-lp, {}))
+                peak = torch.cuda.max_memory_allocated(dev) + adam
+            except torch.cuda.OutOfMemoryError:
+                peak = None
+            self.optimizer.zero_grad(set_to_none=True)
+            if peak is not None and peak <= torch.cuda.mem_get_info(dev)[1] * 0.95:
+                torch.cuda.empty_cache()
+                return peak
+        raise MemoryError(f"one micro-batch of {n} tokens does not fit in training memory on "
+                          f"{torch.cuda.get_device_name(dev)} (activation checkpointing "
+                          f"{'on' if recompute else 'off'}): lower micro_batch_tokens"
+                          + ("" if recompute else " or set activation_checkpointing=True"))
 
     # -- weights ----------------------------------------------------------------------------------
 

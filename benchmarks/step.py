@@ -1,0 +1,265 @@
+"""Benchmark: the whole co-located GRPO step, minirl beside TRL's GRPOTrainer (vLLM colocate).
+
+Each side runs in a fresh process on the same device, one after the other, on the same
+workload: a random-init model of a real shape (benchmarks/models.py: the real 151,936-token
+vocabulary), the built-in `succ` task's prompts and reward, P prompts x G samples, completions
+of at most T tokens (a random model almost never samples its EOS, so nearly all are T long),
+bf16 compute with fp32 master weights, one optimizer step per batch, `--steps` steps.
+
+- minirl: launch/colocated.py as a user runs it, with only model, batch and length flags
+  (--model --prompts --group-size --max-tokens --max-model-len --steps); its metrics.jsonl
+  gives the phases (sync, generation, training).
+- TRL: GRPOTrainer(use_vllm=True, vllm_mode="colocate") with its defaults except what matching
+  needs (each change is listed in the JSON under trl.changes): fp32 master weights, the batch
+  (per_device_train_batch_size x gradient_accumulation_steps = P x G completions per optimizer
+  step), lengths, vLLM's compilation mode (CUDA graphs for decode, no torch.compile: minirl's),
+  and gradient checkpointing off where the micro-batch fits without it. Its phases are timed by
+  wrapping its weight sync, vLLM call and generate-and-score step.
+
+Reported per side: medians over the steps after --warmup of the step, generation, sync and
+training seconds; generated and trained tokens/s; the device's peak memory in use (sampled every
+50 ms through cudaMemGetInfo, both processes' engines included); trainer MFU = 6 * N * tokens
+trained (prompt + completion) / training seconds / peak, N the model's parameter count, peak
+989.4 TFLOP/s (H200 dense bf16).
+
+    python benchmarks/step.py --shape qwen3-0.6b --max-tokens 256 --out $OUT/step_qwen3-0.6b_256.json
+    python benchmarks/step.py --shape tiny --prompts 4 --steps 3 --sides minirl --out /tmp/step.json  # CPU
+
+Hardware: one CUDA GPU (an H200 for the figures in benchmarks/results), or CPU for the minirl
+side's smoke test (TRL needs CUDA here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+PEAK_FLOPS = 989.4e12
+
+
+class MemorySampler:
+    """The device's peak memory in use (total - free), sampled every `every` seconds."""
+
+    def __init__(self, every: float = 0.05):
+        import torch
+        self.peak, self.cuda = 0, torch.cuda.is_available()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
+        if self.cuda:
+            self._thread.start()
+
+    def _run(self, every):
+        import torch
+        while not self._stop.is_set():
+            free, total = torch.cuda.mem_get_info()
+            self.peak = max(self.peak, total - free)
+            time.sleep(every)
+
+    def stop(self) -> float:
+        self._stop.set()
+        return self.peak / 2**30
+
+
+def run_minirl(args, model: str) -> dict:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("colocated", ROOT / "launch" / "colocated.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    run_dir = Path(args.work) / "minirl"
+    argv = ["--model", model, "--prompts", str(args.prompts), "--group-size", str(args.group_size),
+            "--max-tokens", str(args.max_tokens), "--max-model-len", str(args.max_tokens + 64),
+            "--steps", str(args.steps), "--backends", "", "--run-dir", str(run_dir)]
+    mem = MemorySampler()
+    t0 = time.time()
+    mod.common.main(mod.run, mod.common.parse_args(mod.__doc__, str(run_dir), argv))
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    starts = [t0] + [r["time"] for r in rows[:-1]]
+    steps = []
+    for r, start in zip(rows, starts):
+        sync = sum(r.get(f"sync/{k}", 0.0) for k in ("wake_s", "sync_s", "verify_s", "sleep_s"))
+        n = args.prompts * args.group_size
+        steps.append({"step_s": r["time"] - start, "sync_s": sync, "generate_s": r["time/rollouts"] - sync,
+                      "train_s": r["time/train"], "generated_tokens": r["len/completion"] * n,
+                      "trained_tokens": (r["len/completion"] + r["len/prompt"]) * n, "loss": r["loss"]})
+    return {"argv": argv, "steps": steps, "peak_memory_gib": mem.stop(), "command":
+            "python launch/colocated.py " + " ".join(argv)}
+
+
+def run_trl(args, model: str) -> dict:
+    import torch
+    import trl.generation.vllm_generation as vg
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from minirl.tasks import get_task
+
+    task = get_task("succ")
+    prompts, answers = task.sample(args.prompts * (args.steps + 1), seed=0)
+    mb = args.trl_micro_batch
+    n = args.prompts * args.group_size
+    changes = {"model_init_kwargs": {"dtype": "float32"}, "per_device_train_batch_size": mb,
+               "gradient_accumulation_steps": n // mb, "num_generations": args.group_size,
+               "max_completion_length": args.max_tokens, "vllm_max_model_length": args.max_tokens + 64,
+               "use_vllm": True, "vllm_mode": "colocate", "gradient_checkpointing": args.trl_grad_ckpt,
+               "max_steps": args.steps, "report_to": "none", "save_strategy": "no", "logging_steps": 1}
+    if not torch.cuda.is_available():           # a CPU smoke test of this harness only
+        changes.update(use_cpu=True, bf16=False)
+    config = GRPOConfig(output_dir=str(Path(args.work) / "trl"), **{**changes, "model_init_kwargs":
+                        {"dtype": torch.float32}})
+
+    real_llm = vg.LLM                          # minirl's engine compilation mode, on TRL's engine too
+    vg.LLM = lambda *a, **kw: real_llm(*a, **{"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, **kw})
+
+    def reward(prompts, completions, answer, **_):
+        return [task.reward(p, c, a) for p, c, a in zip(prompts, completions, answer)]
+
+    phases: dict[str, float] = {}
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def timed(obj, name, key):
+        real = getattr(obj, name)
+
+        def wrapper(*a, **kw):
+            sync()
+            t = time.perf_counter()
+            try:
+                return real(*a, **kw)
+            finally:
+                sync()
+                phases[key] = phases.get(key, 0.0) + time.perf_counter() - t
+        setattr(obj, name, wrapper)
+
+    steps, mark = [], {}
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **kw):
+            sync()
+            mark["t"] = time.perf_counter()
+            phases.clear()
+
+        def on_step_end(self, *a, **kw):
+            sync()
+            p = dict(phases)
+            step = time.perf_counter() - mark["t"]
+            steps.append({"step_s": step, "sync_s": p.get("sync", 0.0), "generate_s": p.get("generate", 0.0),
+                          "rollout_s": p.get("rollout", 0.0), "train_s": step - p.get("rollout", 0.0)})
+
+    mem = MemorySampler()
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, callbacks=[Clock()],
+                          train_dataset=Dataset.from_dict({"prompt": prompts, "answer": answers}))
+    timed(trainer.vllm_generation, "sync_weights", "sync")
+    timed(trainer.vllm_generation, "generate", "generate")
+    timed(trainer, "_generate_and_score_completions", "rollout")
+    gen_len = []
+    real_score = trainer._generate_and_score_completions
+
+    def score(*a, **kw):           # completion lengths, for the token counts
+        out = real_score(*a, **kw)
+        gen_len.append((float(out["completion_mask"].sum()), int(out["prompt_ids"].numel())))
+        return out
+    trainer._generate_and_score_completions = score
+    trainer.train()
+    per_step = len(gen_len) // max(len(steps), 1)
+    for i, s in enumerate(steps):
+        part = gen_len[i * per_step:(i + 1) * per_step]
+        s["generated_tokens"] = sum(c for c, _ in part)
+        s["trained_tokens"] = sum(c + p for c, p in part)
+    return {"changes": changes, "engine": "compilation_config {mode: 0, cudagraph_mode: FULL_DECODE_ONLY}",
+            "steps": steps, "peak_memory_gib": mem.stop(), "trl": __import__("trl").__version__}
+
+
+def summarize(side: dict, args, n_params: int) -> dict:
+    keep = side["steps"][args.warmup:] or side["steps"]
+    med = {k: statistics.median(s[k] for s in keep) for k in keep[0] if isinstance(keep[0][k], (int, float))}
+    med["generated_tokens_per_s"] = med["generated_tokens"] / med["step_s"]
+    med["trained_tokens_per_s"] = med["trained_tokens"] / med["step_s"]
+    med["mfu"] = 6 * n_params * med["trained_tokens"] / med["train_s"] / PEAK_FLOPS
+    med["other_s"] = med["step_s"] - med["generate_s"] - med["sync_s"] - med["train_s"]
+    return med
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--models-dir", default="/tmp/bench_models")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
+    p.add_argument("--sides", default="minirl,trl")
+    p.add_argument("--trl-micro-batch", type=int, default=64, help="TRL's per_device_train_batch_size")
+    p.add_argument("--trl-grad-ckpt", action="store_true", help="TRL with gradient checkpointing (its default)")
+    p.add_argument("--work", default="/tmp/bench_step")
+    p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument("--out", default=None)
+    p.add_argument("--side", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    model = str(Path(args.models_dir) / args.shape)
+    if args.side:                                  # one side, in this fresh process
+        res = (run_minirl if args.side == "minirl" else run_trl)(args, model)
+        print("RESULT " + json.dumps(res), flush=True)
+        return
+    import torch
+    from models import build_random_model
+    if not Path(model, "config.json").exists():
+        build_random_model(model, args.shape, device="cuda" if torch.cuda.is_available() else None)
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        n_params = sum(x.numel() for x in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).parameters())
+    doc = {"shape": args.shape, "n_params": n_params, "workload": vars(args), "device":
+           torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "sides": {}}
+    out = Path(args.out or ROOT / "benchmarks/results" / f"step_{args.shape}_{args.max_tokens}.json")
+    for side in args.sides.split(","):
+        t0 = time.perf_counter()
+        res = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--side", side], capture_output=True,
+                             text=True, timeout=args.timeout)
+        line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
+        r = json.loads(line[7:]) if line else {"error": (res.stdout[-2000:] + res.stderr[-6000:])}
+        r["process_s"] = time.perf_counter() - t0
+        if "steps" in r:
+            r["median"] = summarize(r, args, n_params)
+        doc["sides"][side] = r
+        print(side, r.get("median", r.get("error")), flush=True)
+        out.write_text(json.dumps(doc, indent=1))
+    out.with_suffix(".md").write_text(markdown(doc))
+
+
+def markdown(doc) -> str:
+    w = doc["workload"]
+    rows = [f"# Whole GRPO step, {doc['shape']} ({doc['n_params'] / 1e9:.2f}B parameters) on {doc['device']}\n",
+            f"{w['prompts']} prompts x {w['group_size']} samples, completions of {w['max_tokens']} tokens at most; "
+            f"medians of steps {w['warmup'] + 1}..{w['steps']}.\n",
+            "| side | step s | generation s | sync s | training s | other s | generated tok/s | trained tok/s | "
+            "peak memory GiB | trainer MFU |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for side, r in doc["sides"].items():
+        m = r.get("median")
+        if m is None:
+            rows.append(f"| {side} | error: see JSON | | | | | | | | |")
+            continue
+        rows.append(f"| {side} | {m['step_s']:.2f} | {m['generate_s']:.2f} | {m['sync_s']:.3f} | {m['train_s']:.2f} | "
+                    f"{m['other_s']:.2f} | "
+                    f"{m['generated_tokens_per_s']:,.0f} | {m['trained_tokens_per_s']:,.0f} | "
+                    f"{r['peak_memory_gib']:.1f} | {100 * m['mfu']:.1f}% |")
+    if "minirl" in doc["sides"] and "trl" in doc["sides"] and "median" in doc["sides"]["trl"] \
+            and "median" in doc["sides"]["minirl"]:
+        ratio = doc["sides"]["trl"]["median"]["step_s"] / doc["sides"]["minirl"]["median"]["step_s"]
+        rows.append(f"\nminirl's step throughput / TRL's: **{ratio:.2f}x**.")
+    rows.append("\nMFU = 6 N (prompt + completion tokens trained) / training seconds / 989.4 TFLOP/s. "
+                "Other: the rest of the step (scoring; for TRL also its old-log-prob forward, "
+                "vllm_importance_sampling_correction being its default). TRL's changes from its defaults "
+                "are in the JSON.")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    main()
