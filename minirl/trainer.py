@@ -136,10 +136,12 @@ def _varlen_attention(module, query, key, value, attention_mask, *, scaling=None
                                                    device=query.device), T
     q = query.transpose(1, 2).reshape(B * T, H, D)
     k, v = (x.transpose(1, 2).reshape(B * T, -1, D) for x in (key, value))
-    if k.shape[1] != H:                                  # grouped-query attention
+    extra = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}   # causal
+    if k.shape[1] != H and "enable_gqa" in _VARLEN_PARAMS:     # grouped-query attention
+        extra["enable_gqa"] = True
+    elif k.shape[1] != H:
         k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))
-    causal = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}   # torch 2.9
-    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling, **causal)
+    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling, **extra)
     return out.view(B, T, H, D), None
 
 
@@ -155,8 +157,10 @@ def _attention(name: str, device: torch.device) -> str:
     if name == "varlen" and not has_varlen:
         raise ValueError("attention='varlen' needs CUDA and torch.nn.attention.varlen (torch >= 2.10): "
                          "use 'sdpa'")
-    if name == "sdpa" or not has_varlen:
-        return "sdpa"
+    return "sdpa" if name == "sdpa" or not has_varlen else _register_varlen()
+
+
+def _register_varlen() -> str:
     import inspect
     from torch.nn.attention.varlen import varlen_attn
     from transformers import AttentionInterface
