@@ -104,7 +104,7 @@ def main():
             continue                                 # no sleep mode on CPU
         cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", name]
         t0 = time.perf_counter()
-        env = {**os.environ, "PYTHONPATH": args.minirl_from}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [args.minirl_from, os.environ.get("PYTHONPATH")]))}
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
         line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
         doc["results"][name] = (json.loads(line[7:]) if line else {"error": res.stderr[-3000:]})

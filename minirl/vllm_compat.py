@@ -26,6 +26,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import vllm  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 
+from minirl import versions  # noqa: E402
+
+# Outside the supported window: an error naming the window, what ran and the fix (at import).
+if not versions.inside("vllm", vllm.__version__) and os.environ.get("MINIRL_UNSUPPORTED_VLLM") != "1":
+    versions.check("vllm", vllm.__version__)
+
 VLLM_VERSION = tuple(int(p) for p in vllm.__version__.split(".")[:2] if p.isdigit())
 ON_CPU = not torch.cuda.is_available()
 

@@ -116,3 +116,13 @@ def test_installed_stack_is_inside_the_window():
     found = subprocess.run([sys.executable, str(ROOT / "minirl/versions.py"), "foreign"],
                            capture_output=True, text=True, check=True).stdout.split()
     assert found == [], f"installed beside torch: {found}, built for another torch (setup.sh removes them)"
+
+
+def test_vllm_compat_refuses_a_vllm_outside_the_window():
+    """Importing minirl's vLLM layer with a vLLM outside the window fails at once, naming the
+    window and the fix (MINIRL_UNSUPPORTED_VLLM=1 lets it run anyway)."""
+    code = ("import sys, types, vllm\nvllm.__version__ = '0.33.0'\n"
+            "import minirl.vllm_compat\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode != 0 and "vllm 0.33.0 is outside minirl's window" in res.stderr, res.stderr[-2000:]
+    assert "./setup.sh --gpu" in res.stderr
