@@ -31,7 +31,7 @@ import torch.distributed as dist
 from minirl.core import token_logprobs
 from minirl.data import pack, split_by_tokens
 from minirl.distributed import init_distributed, pick_device
-from minirl.weights import bucket_fingerprint, full_weight_buckets, gather_during_forward
+from minirl.weights import bucket_fingerprint, full_weight_buckets, gather_during_forward, reshard
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -317,6 +317,7 @@ class Trainer:
                 peak = torch.cuda.max_memory_allocated(dev) + adam
             except torch.cuda.OutOfMemoryError:
                 peak = None
+                reshard(self.model)
             self.optimizer.zero_grad(set_to_none=True)
             if peak is not None and peak <= torch.cuda.mem_get_info(dev)[1] * 0.95:
                 torch.cuda.empty_cache()
