@@ -2,9 +2,9 @@
 # The GPU runs whose results sit in benchmarks/results/ (an H200 machine, vLLM 0.22 and TRL 1.16
 # from the wheel kit in ../shared/gpu, PYTHONPATH=/tmp/site-packages:$PWD). One or more stages per
 # call, each writing under OUT_DIR; a failing stage does not stop the next:
-#   bash benchmarks/run_gpu.sh OUT_DIR tests switch-4b step-0.6b-256 step-4b-256 step-0.6b-1024 step-4b-1024
-# switch-4b measures the checkout in .old/ (an earlier commit's minirl/ and actors/, if present)
-# and this one in the same lease, with the same settings.
+#   bash benchmarks/run_gpu.sh OUT_DIR tests tests-0.6b switch-old switch-4b step-0.6b-256 step-4b-256-minirl
+# switch-old measures the checkout in .old/ (an earlier commit's minirl/ and actors/: `git archive
+# be0b014 minirl actors | tar -x -C .old`), switch-4b this one, in the same lease.
 set -uo pipefail
 out=$1; shift; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
@@ -12,16 +12,17 @@ log() { echo "[run_gpu $(date +%H:%M:%S)] $*"; }
 for stage in "$@"; do
   log "stage $stage"
   case "$stage" in
-    tests)   # the co-located loop with sleep/wake + sync, and varlen packing, on CUDA (tiny, then 0.6B)
+    tests)   # the co-located loop with sleep/wake + sync, and varlen packing, on CUDA (tiny model)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu_env.txt"
       python -c 'import torch, vllm, ray; print(torch.__version__, vllm.__version__, ray.__version__)' >> "$out/gpu_env.txt"
-      MINIRL_RESULTS_DIR=$out/tests timeout 300 python -m pytest tests/gpu -q -x 2>&1 | tail -15 | tee "$out/gpu_tests_tiny.log"
-      MINIRL_GPU_SHAPE=qwen3-0.6b MINIRL_RESULTS_DIR=$out/tests_q06 timeout 300 python -m pytest tests/gpu -q -x \
+      MINIRL_RESULTS_DIR=$out/tests timeout 300 python -m pytest tests/gpu -q 2>&1 | tail -15 | tee "$out/gpu_tests_tiny.log" ;;
+    tests-0.6b)   # the same co-located tests at the Qwen3-0.6B shape
+      MINIRL_GPU_SHAPE=qwen3-0.6b MINIRL_RESULTS_DIR=$out/tests_q06 timeout 300 python -m pytest tests/gpu -q \
         -k "not varlen" 2>&1 | tail -15 | tee "$out/gpu_tests_q06.log" ;;
-    switch-4b)   # the verified switch, resident engine: the earlier commit (eager, as it ran), this
-                 # one with the same settings, and this one with its default engine (CUDA graphs)
-      [ -d .old/minirl ] && timeout 400 python benchmarks/switch.py --shape qwen3-4b --eager --settings resident-verified \
-        --minirl-from "$PWD/.old" --out "$out/switch_4b_old.json" 2>&1 | tail -4
+    switch-old)   # the verified switch of the earlier commit in .old/ (eager, resident, as it ran)
+      timeout 400 python benchmarks/switch.py --shape qwen3-4b --eager --settings resident-verified \
+        --minirl-from "$PWD/.old" --out "$out/switch_4b_old.json" 2>&1 | tail -4 ;;
+    switch-4b)   # this commit: the same settings as switch-old, then its default engine (CUDA graphs)
       timeout 400 python benchmarks/switch.py --shape qwen3-4b --eager --settings resident-verified,resident \
         --out "$out/switch_4b_eager.json" 2>&1 | tail -4
       timeout 400 python benchmarks/switch.py --shape qwen3-4b --settings resident-verified,sleep2-verified \
@@ -29,7 +30,8 @@ for stage in "$@"; do
     step-*)   # the whole GRPO step beside TRL: step-SHAPE-TOKENS[-minirl|-trl]
       IFS=- read -r _ shape tokens side <<< "$stage"
       mb=64; ckpt=(); [[ $shape == 4b ]] && { mb=16; ckpt=(--trl-grad-ckpt); }
-      timeout 900 python benchmarks/step.py --shape "qwen3-$shape" --max-tokens "$tokens" --steps 5 --warmup 2 \
+      steps=5; [[ $shape == 4b ]] && steps=4
+      timeout 900 python benchmarks/step.py --shape "qwen3-$shape" --max-tokens "$tokens" --steps $steps --warmup 2 \
         --sides "${side:-minirl,trl}" --trl-micro-batch $mb "${ckpt[@]}" \
         --out "$out/step_qwen3-${shape}_${tokens}${side:+_$side}.json" 2>&1 | grep -v "^\[" | tail -6 ;;
     *) log "unknown stage $stage" ;;

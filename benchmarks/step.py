@@ -213,6 +213,8 @@ def main():
     from models import build_random_model
     if not Path(model, "config.json").exists():
         build_random_model(model, args.shape, device="cuda" if torch.cuda.is_available() else None)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()              # the sides measure the device: give it back
     from transformers import AutoConfig, AutoModelForCausalLM
     with torch.device("meta"):
         n_params = sum(x.numel() for x in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).parameters())

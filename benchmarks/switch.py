@@ -95,6 +95,8 @@ def main():
     model = Path(args.models_dir) / args.shape
     if not (model / "config.json").exists():
         build_random_model(model, args.shape, device="cuda" if torch.cuda.is_available() else None)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()              # the sides measure the device: give it back
     doc = {"shape": args.shape, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else
            platform.processor() or "cpu", "versions": _versions(), "argv": sys.argv[1:], "results": {},
            "minirl": _commit(args.minirl_from)}

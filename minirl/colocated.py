@@ -152,18 +152,16 @@ class WeightManager:
                 torch.cuda.empty_cache()
                 vc.wake(self.llm, ["weights"])
             t["wake_s"] = _since(t0, cuda)
-            if self.config.sync_weights and (asleep or tr.stepped or self._reload):
-                checked = self._sync(t)
-                if asleep:
-                    vc.wake(self.llm, ["kv_cache"])
-                if checked is not None:
-                    self._verify(t, *checked)
-            elif asleep:
+            checked = (self._sync(t) if self.config.sync_weights and (asleep or tr.stepped or self._reload)
+                       else None)
+            if asleep:
                 vc.wake(self.llm, ["kv_cache"])
             self._reload = False
             self.llm.reset_prefix_cache()
-            self._mode = "generate"
+            self._mode = "generate"           # awake: as_trainable() puts it back even if the check fails
             self.timings = {**self._sleep_timing, **t}
+            if checked is not None:
+                self._verify(self.timings, *checked)
         self.llm.minirl_stamp = {"policy_version": self.policy_version, "device": str(self.device)}
         return self.llm
 
