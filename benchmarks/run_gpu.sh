@@ -22,7 +22,10 @@ for stage in "$@"; do
     switch-old)   # the verified switch of the earlier commit in .old/ (eager, resident, as it ran)
       timeout 400 python benchmarks/switch.py --shape qwen3-4b --eager --settings resident-verified \
         --minirl-from "$PWD/.old" --out "$out/switch_4b_old.json" 2>&1 | tail -4 ;;
-    switch-4b)   # this commit: the same settings as switch-old, then its default engine (CUDA graphs)
+    switch-4b-eager)   # this commit with switch-old's settings
+      timeout 400 python benchmarks/switch.py --shape qwen3-4b --eager --settings resident-verified \
+        --out "$out/switch_4b_eager.json" 2>&1 | tail -4 ;;
+    switch-4b)   # this commit: switch-old's settings with and without the check, then its default engine
       timeout 400 python benchmarks/switch.py --shape qwen3-4b --eager --settings resident-verified,resident \
         --out "$out/switch_4b_eager.json" 2>&1 | tail -4
       timeout 400 python benchmarks/switch.py --shape qwen3-4b --settings resident-verified,sleep2-verified \
