@@ -74,7 +74,7 @@ def run_minirl(args, model: str) -> dict:
     spec = importlib.util.spec_from_file_location("colocated", ROOT / "launch" / "colocated.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    run_dir = Path(args.work) / "minirl"
+    run_dir = Path(args.work) / f"minirl-{args.shape}-{args.max_tokens}-{int(time.time())}"   # a fresh metrics.jsonl
     argv = ["--model", model, "--prompts", str(args.prompts), "--group-size", str(args.group_size),
             "--max-tokens", str(args.max_tokens), "--max-model-len", str(args.max_tokens + 64),
             "--steps", str(args.steps), "--backends", "", "--run-dir", str(run_dir)]

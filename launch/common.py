@@ -62,7 +62,7 @@ def parse_args(doc: str, run_dir: str, argv=None):
 
 def trainer_config(args) -> TrainerConfig:
     return TrainerConfig(lr=args.lr, seed=args.seed, micro_batch_tokens=args.micro_batch_tokens,
-                         activation_checkpointing=args.activation_checkpointing)
+                         activation_checkpointing=True if args.activation_checkpointing else None)
 
 
 def manager_config(args):
