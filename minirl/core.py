@@ -1,7 +1,7 @@
 """The math of policy-gradient RL for LLMs, as plain torch functions.
 
-No ray or vllm import here: every function runs on CPU or GPU tensors and is tested against
-numbers worked out by hand (tests/test_core.py). Shapes in comments: B rollouts, T tokens, V vocab.
+No ray or vllm import: every function runs on CPU or GPU tensors and is tested against numbers
+worked out by hand (`python -m pytest tests/test_core.py -q`). Shapes: B rollouts, T tokens, V vocab.
 
 Conventions
 - Log-probs are natural-log probabilities of the *realised* tokens.
@@ -14,18 +14,13 @@ from __future__ import annotations
 
 import torch
 
-# ----------------------------------------------------------------------------------------------
-# Advantages
+# ------------------------------------------------------------------------------------ advantages
 
 
 def compute_advantages(rewards, group_size: int, *, normalize_std: bool = False,
                        eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantages: A_i = r_i - mean(group of r_i), optionally divided by (std(group) + eps).
-
-    `rewards` is a flat sequence of len n * group_size, ordered group by group (the G samples of
-    prompt 0, then of prompt 1, ...). The std is the population std (unbiased=False), as in the
-    GRPO paper's z-score; Dr.GRPO recommends leaving it off (the default). Returns float32 (n*G,).
-    """
+    """GRPO advantages A_i = r_i - mean(group), optionally / (population std(group) + eps) (Dr.GRPO
+    leaves it off). rewards: flat (n*G,), group by group (prompt 0's G samples, then 1's...); fp32."""
     r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -40,9 +35,7 @@ def compute_advantages(rewards, group_size: int, *, normalize_std: bool = False,
         adv = adv / (g.std(dim=1, unbiased=False, keepdim=True) + eps)
     return adv.flatten()
 
-
-# ----------------------------------------------------------------------------------------------
-# Log-probs of realised tokens, memory-lean
+# ------------------------------------------------------------ log-probs of realised tokens, lean
 
 _BLOCK_BYTES = 128 << 20    # the most fp32 (chunk, V) work done at once
 
@@ -58,12 +51,9 @@ def _chunk_tokens(n: int, vocab: int, chunk_size: int | None) -> int:
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """log_softmax(logits / T)[target] for (N, V) logits, computed a chunk of rows at a time.
-
-    Forward keeps only the logits (in their own dtype) and an (N,) logsumexp; backward rebuilds
-    each chunk's softmax in place and writes its gradient straight into the (N, V) result. Extra
-    memory: that gradient (the size of the logits) plus one fp32 (chunk, V) block.
-    """
+    """log_softmax(logits / T)[target] for (N, V) logits, a chunk of rows at a time. Forward keeps
+    only the logits and an (N,) logsumexp; backward rebuilds each chunk's softmax in place and
+    writes its gradient into the (N, V) result (extra memory: that plus one fp32 block)."""
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, chunk):
@@ -96,13 +86,8 @@ class _TokenLogprobs(torch.autograd.Function):
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
                    chunk_size: int | None = None) -> torch.Tensor:
-    """log p(targets[i]) under softmax(logits[i] / temperature): (N, V), (N,) -> (N,).
-
-    No shift: row i scores targets[i]. The result is fp32 (fp64 for fp64 logits), differentiable,
-    and never materialises an fp32 copy of the logits: rows are processed chunk_size at a time
-    (default: a bounded fp32 block, see _chunk_tokens), so forward + backward need at most the
-    logits' gradient plus a quarter of the logits' bf16 size on top of the logits themselves.
-    """
+    """log p(targets[i]) under softmax(logits[i] / temperature): (N, V), (N,) -> (N,), no shift.
+    fp32 (fp64 for fp64 logits), differentiable, chunked: never an fp32 copy of the logits."""
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)}: pass "
                          "(N, V) logits and the (N,) token ids they score")
@@ -116,17 +101,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
 
 def get_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *, temperature: float = 1.0,
                  chunk_size: int | None = None) -> torch.Tensor:
-    """Per-token log-probs of the realised tokens: out[..., t-1] = log p(token_ids[t] | < t).
-
-    logits: (B, T, V) or (T, V), as a causal LM returns for `token_ids` (B, T) / (T,). Logits at
-    position t score token t+1, so the last logit row is unused and the output has T-1 entries:
-    out[:, i] scores token_ids[:, i+1]. With a prompt of P tokens and a completion of C tokens,
-    the completion's log-probs are out[:, P-1:] (the last C entries).
-
-    temperature (> 0) divides the logits first, matching vLLM's sampling log-probs when the engine
-    runs with logprobs_mode="processed_logprobs" (minirl's default). The work is token_logprobs
-    over the (B*T, V) rows (a view, no copy), chunk_size rows at a time.
-    """
+    """out[..., t-1] = log p(token_ids[t] | < t) for logits (B, T, V) or (T, V) of token_ids (B, T)
+    or (T,): T-1 entries, the completion's (C tokens after P) are out[:, P-1:]. temperature divides
+    the logits first, as vLLM's logprobs_mode="processed_logprobs" (minirl's default) does."""
     squeeze = logits.dim() == 2
     if squeeze:
         logits, token_ids = logits[None], token_ids[None]
@@ -144,24 +121,18 @@ def get_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *, temperature: 
 def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0,
                         chunk_size: int | None = None) -> torch.Tensor:
     """Entropy (nats) of softmax(logits / T) at every position: (..., T, V) -> (..., T), fp32.
-
-    Computed a bounded chunk of rows at a time; meant for logging (wrap in torch.no_grad() if
-    so), but it is differentiable for an entropy bonus.
-    """
+    Chunked; differentiable (for an entropy bonus), so wrap it in no_grad() when only logging."""
     flat = logits.reshape(-1, logits.shape[-1])
     chunk = _chunk_tokens(flat.shape[0], flat.shape[1], chunk_size)
     parts = []
     for s in range(0, flat.shape[0], chunk):
-        x = flat[s:s + chunk].float() / temperature
-        logp = torch.log_softmax(x, dim=-1)
+        logp = torch.log_softmax(flat[s:s + chunk].float() / temperature, dim=-1)   # (c, V)
         p = logp.exp()
         # 0 * log 0 = 0: a -inf logit (masked token) must not turn the entropy into NaN.
         parts.append(-(p * logp.masked_fill(p == 0, 0.0)).sum(-1))
     return torch.cat(parts).view(logits.shape[:-1])
 
-
-# ----------------------------------------------------------------------------------------------
-# Masks and aggregation
+# ------------------------------------------------------------------------ masks and aggregation
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -178,27 +149,18 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor | None = None, dim=None) -> 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor | None = None, mode: str = "token-mean",
               *, max_tokens: int | None = None) -> torch.Tensor:
-    """Reduce a (B, T) per-token loss to a scalar.
-
-    - "token-mean": sum over all counted tokens / number of counted tokens (DAPO). Long answers
-      weigh more, in proportion to their length.
-    - "seq-mean-token-mean": mean over each sequence's counted tokens, then mean over sequences
-      (the original GRPO). Each sequence weighs the same.
-    - "seq-mean-token-sum-norm": each sequence's token sum / max_tokens, then mean over sequences
-      (Dr.GRPO's constant normaliser; max_tokens defaults to T). No length bias from the divisor.
-    A (T,) input is treated as one sequence.
-    """
+    """Reduce a (B, T) per-token loss ((T,): one sequence) to a scalar. "token-mean": over all counted
+    tokens (DAPO; long answers weigh more). "seq-mean-token-mean": per sequence, then over sequences
+    (GRPO). "seq-mean-token-sum-norm": each sequence's sum / max_tokens (default T), then over
+    sequences (Dr.GRPO: no length bias from the divisor)."""
     if per_token.dim() == 1:
         per_token = per_token[None]
         mask = None if mask is None else mask[None]
-    if mask is None:
-        mask = torch.ones_like(per_token)
-    mask = mask.to(per_token.dtype)
+    mask = torch.ones_like(per_token) if mask is None else mask.to(per_token.dtype)
     if mode == "token-mean":
         return (per_token * mask).sum() / mask.sum().clamp(min=1)
     if mode == "seq-mean-token-mean":
-        per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        return per_seq.mean()
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
     if mode == "seq-mean-token-sum-norm":
         norm = per_token.shape[-1] if max_tokens is None else max_tokens
         return ((per_token * mask).sum(-1) / norm).mean()
@@ -208,13 +170,11 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor | None = None, mode: s
 def _align(new_lp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Right-align new_lp to ref along the last dim (completion tokens are the last ones)."""
     n, m = new_lp.shape[-1], ref.shape[-1]
-    if n == m:
-        return new_lp
     if n < m:
         raise ValueError(f"new log-probs have {n} positions but old log-probs {m}: new_lp must cover "
                          "at least the scored tokens (pass get_logprobs(logits, token_ids) of the "
                          "whole prompt + completion)")
-    return new_lp[..., n - m:]
+    return new_lp if n == m else new_lp[..., n - m:]
 
 
 def _as_adv(adv, like: torch.Tensor) -> torch.Tensor:
@@ -229,13 +189,9 @@ def _as_adv(adv, like: torch.Tensor) -> torch.Tensor:
 def clipped_surrogate(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages, *,
                       clip_low: float = 0.2, clip_high: float | None = None,
                       dual_clip: float | None = None) -> torch.Tensor:
-    """Per-token PPO clipped loss (to minimise): -min(r*A, clip(r, 1-clip_low, 1+clip_high)*A).
-
-    r = exp(new - old) per token. clip_high defaults to clip_low (symmetric PPO); DAPO's
-    clip-higher uses e.g. clip_low=0.2, clip_high=0.28. dual_clip=c (> 1) bounds the loss of
-    negative-advantage tokens at -c*A (Ye et al. 2020), so a huge ratio cannot blow it up.
-    Shapes as clipped_policy_loss; returns fp32 shaped like old_logprobs (unreduced).
-    """
+    """Per-token PPO loss -min(r*A, clip(r, 1-clip_low, 1+clip_high)*A), r = exp(new - old), fp32
+    shaped like old_logprobs. clip_high defaults to clip_low (DAPO's clip-higher: 0.2 / 0.28);
+    dual_clip=c > 1 caps negative-advantage tokens' loss at -c*A (Ye et al. 2020)."""
     new = _align(new_logprobs, old_logprobs)
     old = old_logprobs.to(device=new.device, dtype=torch.float32)
     adv = _as_adv(advantages, old)
@@ -252,17 +208,10 @@ def clipped_surrogate(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, ad
 def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages, *,
                         mask: torch.Tensor | None = None, clip_low: float = 0.2,
                         clip_high: float | None = None, dual_clip: float | None = None,
-                        aggregation: str = "token-mean", max_tokens: int | None = None
-                        ) -> torch.Tensor:
-    """clipped_surrogate reduced to a scalar by `aggregate(..., mask, aggregation)`.
-
-    Shapes: old_logprobs (B, C) or (C,); advantages a scalar, (B,) or (B, C); mask like
-    old_logprobs. new_logprobs may be longer than old_logprobs along the last dim: its last C
-    entries are used, which is what get_logprobs(model(token_ids).logits, token_ids) gives for a
-    rollout whose completion (C tokens) ends token_ids. So the seed call
-        clipped_policy_loss(get_logprobs(out.logits, r.token_ids), r.old_logprobs, r.advantage)
-    scores exactly the completion tokens.
-    """
+                        aggregation: str = "token-mean", max_tokens: int | None = None) -> torch.Tensor:
+    """clipped_surrogate reduced by `aggregate(..., mask, aggregation)`. old_logprobs and mask (B, C)
+    or (C,); advantages a scalar, (B,) or (B, C); new_logprobs may be longer (its last C entries
+    count), so get_logprobs(out.logits, r.token_ids) scores exactly r's completion tokens."""
     per_token = clipped_surrogate(new_logprobs, old_logprobs, advantages, clip_low=clip_low,
                                   clip_high=clip_high, dual_clip=dual_clip)
     if mask is not None:
@@ -272,15 +221,9 @@ def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, 
 
 def ppo_loss_fn(*, clip_low: float = 0.2, clip_high: float | None = 0.28,
                 dual_clip: float | None = None, entropy: bool = True):
-    """A loss_fn for Trainer.forward_backward: the clipped surrogate per token, plus per-token
-    statistics the trainer turns into global token means: clip_frac (the clip switched the
-    gradient off), approx_kl (k3 of the sampling policy to the trainer's), ratio (trainer /
-    sampler) and, when `entropy`, the policy's entropy. batch.old_logprobs are the sampling
-    log-probs: ratio = pi_theta / pi_sampler, no extra old-policy forward.
-
-        loss_fn(logprobs (n,), batch (old_logprobs, advantages: (n,)), logits (n, V))
-            -> (per-token loss (n,), {name: (n,)})
-    """
+    """A loss_fn for Trainer.forward_backward: loss_fn(logprobs (n,), batch, logits (n, V)) ->
+    (clipped surrogate (n,), per-token stats {name: (n,)}): clip_frac, approx_kl (k3), ratio
+    (pi_theta / pi_sampler: the sampling log-probs are the old policy) and, if `entropy`, entropy."""
     ch = clip_low if clip_high is None else clip_high
 
     def loss_fn(logprobs, batch, logits):
@@ -297,9 +240,7 @@ def ppo_loss_fn(*, clip_low: float = 0.2, clip_high: float | None = 0.28,
         return per_token, stats
     return loss_fn
 
-
-# ----------------------------------------------------------------------------------------------
-# KL estimators (Schulman, "Approximating KL divergence"), samples drawn from the policy
+# ----------------------- KL estimators (Schulman, "Approximating KL divergence"), samples from p
 
 
 def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -317,9 +258,7 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     log_ratio = ref_logprobs - logprobs
     return torch.expm1(log_ratio) - log_ratio
 
-
-# ----------------------------------------------------------------------------------------------
-# Importance weights between the trainer (pi_theta) and the sampler (vLLM)
+# -------------------------------------- importance weights, trainer (pi_theta) vs sampler (vLLM)
 
 
 def _log_ratio(train_logprobs, sampling_logprobs, mask, level):
@@ -336,30 +275,21 @@ def _log_ratio(train_logprobs, sampling_logprobs, mask, level):
 def truncated_importance_weights(train_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor,
                                  mask: torch.Tensor | None = None, *, cap: float = 2.0,
                                  level: str = "token") -> torch.Tensor:
-    """TIS: w = min(pi_train / pi_sampler, cap), detached; multiply the per-token loss by it.
-
-    level="token" uses each token's ratio; level="sequence" the product over the sequence's
-    counted tokens (broadcast to every token). Corrects the vLLM/trainer mismatch (Yao et al. 2025).
-    Shapes: sampling_logprobs and mask (B, C) or (C,); train_logprobs may be longer along the last
-    dim (e.g. get_logprobs over prompt + completion): its last C entries are used.
-    """
+    """TIS (Yao et al. 2025): w = min(pi_train / pi_sampler, cap), detached, to multiply the
+    per-token loss by; per token, or (level="sequence") the product over each sequence's counted
+    tokens. sampling_logprobs and mask (B, C) or (C,); train_logprobs may be longer (right-aligned)."""
     return torch.exp(_log_ratio(train_logprobs, sampling_logprobs, mask, level)).clamp(max=cap).detach()
 
 
 def masked_importance_weights(train_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor,
                               mask: torch.Tensor | None = None, *, low: float = 0.5,
                               high: float = 2.0, level: str = "token") -> torch.Tensor:
-    """MIS: 1 where low <= pi_train / pi_sampler <= high, else 0 (detached); multiply into the mask.
-
-    Drops tokens (level="token") or whole sequences (level="sequence") whose sampler and trainer
-    disagree too much, instead of reweighting them.
-    """
+    """MIS: 1 where low <= pi_train / pi_sampler <= high, else 0 (detached); multiply into the mask:
+    drops the tokens (or sequences) whose sampler and trainer disagree too much."""
     w = torch.exp(_log_ratio(train_logprobs, sampling_logprobs, mask, level))
     return ((w >= low) & (w <= high)).to(torch.float32).detach()
 
-
-# ----------------------------------------------------------------------------------------------
-# Statistics worth logging
+# ---------------------------------------------------------------------- statistics worth logging
 
 
 @torch.no_grad()
@@ -385,22 +315,19 @@ def approx_kl(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
     return masked_mean(kl_k3(old_logprobs.to(new), new), mask)
 
 
+@torch.no_grad()
 def log_ratio_stats(train_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor,
                     mask: torch.Tensor | None = None) -> dict[str, float]:
     """Mismatch between trainer and sampler log-probs: mean/max |diff| and mean ratio."""
-    with torch.no_grad():
-        d = (_align(train_logprobs, sampling_logprobs).float() - sampling_logprobs.float())
-        m = torch.ones_like(d) if mask is None else mask.to(d)
-        absd = d.abs() * m
-        return {"logprob_diff_mean": float(absd.sum() / m.sum().clamp(min=1)),
-                "logprob_diff_max": float(absd.max()) if absd.numel() else 0.0,
-                "ratio_mean": float(masked_mean(torch.exp(d), m))}
+    d = _align(train_logprobs, sampling_logprobs).float() - sampling_logprobs.float()
+    m = torch.ones_like(d) if mask is None else mask.to(d)
+    absd = d.abs() * m
+    return {"logprob_diff_mean": float(absd.sum() / m.sum().clamp(min=1)),
+            "logprob_diff_max": float(absd.max()) if absd.numel() else 0.0,
+            "ratio_mean": float(masked_mean(torch.exp(d), m))}
 
 
-__all__ = [
-    "compute_advantages", "token_logprobs", "get_logprobs", "entropy_from_logits", "masked_mean",
-    "aggregate", "AGGREGATIONS", "clipped_surrogate", "clipped_policy_loss",
-    "ppo_loss_fn", "kl_k1", "kl_k2", "kl_k3",
-    "truncated_importance_weights", "masked_importance_weights", "clip_fraction", "approx_kl",
-    "log_ratio_stats",
-]
+__all__ = ["compute_advantages", "token_logprobs", "get_logprobs", "entropy_from_logits", "masked_mean",
+           "aggregate", "AGGREGATIONS", "clipped_surrogate", "clipped_policy_loss", "ppo_loss_fn",
+           "kl_k1", "kl_k2", "kl_k3", "truncated_importance_weights", "masked_importance_weights",
+           "clip_fraction", "approx_kl", "log_ratio_stats"]
