@@ -1,24 +1,18 @@
 """The rollout data contract: what generation hands to training, exactly.
 
-A `Rollout` is one completion: prompt token ids, completion token ids, the log-prob vLLM gave
-each completion token when it sampled it, a reward, an advantage, and where it came from
-(finish reason, policy version). A `RolloutBatch` is the G completions of one prompt.
+A `Rollout` is one completion: token ids, the log-prob vLLM gave each completion token when it
+sampled it, reward, advantage, finish reason, policy version. A `RolloutBatch` is the G
+completions of one prompt. With P prompt and C completion tokens the tensors line up as
 
-How the tensors line up (P prompt tokens, C completion tokens):
-
-    rollout.token_ids      (1, P+C)  prompt + completion, ready for model(rollout.token_ids)
+    rollout.token_ids      (1, P+C)   prompt + completion, ready for model(rollout.token_ids)
     get_logprobs(model(rollout.token_ids).logits, rollout.token_ids)
-                           (1, P+C-1) entry i scores token i+1; the last C entries score the
-                                      completion
-    rollout.old_logprobs   (1, C)    vLLM's sampling log-probs of the completion tokens, so
-                                      entry j matches entry P-1+j above
-    rollout.loss_mask      (1, C)    1 where the token counts
+                           (1, P+C-1) entry i scores token i+1; the last C score the completion
+    rollout.old_logprobs   (1, C)     vLLM's sampling log-probs: entry j matches entry P-1+j above
+    rollout.loss_mask      (1, C)     1 where the token counts
 
-`clipped_policy_loss` right-aligns its first argument to `old_logprobs`, so the seed's call
-scores exactly the completion tokens. For batches, `collate` pads many rollouts into (B, T)
-tensors whose log-prob-shaped fields are (B, T-1), aligned with get_logprobs' output directly.
-
-Pure torch + stdlib: parse_vllm_outputs reads vLLM objects but does not import vLLM.
+`collate` pads rollouts into (B, T) tensors (log-prob fields (B, T-1), aligned with get_logprobs);
+`pack` lays them end to end, unpadded (what Trainer runs). Pure torch + stdlib, CPU or GPU;
+parse_vllm_outputs reads vLLM objects without importing vLLM. Tests: tests/test_data.py.
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ import json
 import math
 import numbers
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -35,26 +29,22 @@ import torch
 
 from minirl.core import compute_advantages
 
+
 @dataclass
 class Rollout:
     """One sampled completion and everything training needs to score it."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
-    sampling_logprobs: list[float]
-    """log p_sampler(completion token j | prefix), one per completion token."""
+    sampling_logprobs: list[float]      # log p_sampler(completion token j | prefix), one per token
     reward: float
     advantage: float = 0.0
-    finish_reason: str | None = None
-    """vLLM's: "stop" (EOS or stop string), "length" (hit max_tokens), "abort"."""
-    policy_version: int = 0
-    """Number of weight syncs the generating engine had received."""
-    loss_mask: list[int] | None = None
-    """1 per completion token that counts; None means all of them."""
+    finish_reason: str | None = None    # vLLM's: "stop" (EOS or stop string), "length", "abort"
+    policy_version: int = 0             # number of weight syncs the generating engine had received
+    loss_mask: list[int] | None = None  # 1 per completion token that counts; None: all of them
     prompt: str | None = None
     completion: str | None = None
-    uid: Any = None
-    """Identifies the prompt this completion answers (a dataset index, say)."""
+    uid: Any = None                     # the prompt this completion answers (a dataset index, say)
     device: str = "cpu"
     info: dict = field(default_factory=dict)
 
@@ -92,7 +82,6 @@ class Rollout:
     def as_padding(self) -> "Rollout":
         """A copy that counts for nothing (loss_mask all 0): lets every data-parallel rank run
         the same number of forward/backward passes when the data does not split evenly."""
-        from dataclasses import replace
         return replace(self, loss_mask=[0] * len(self.completion_ids), info={**self.info, "padding": True})
 
     def to(self, device) -> "Rollout":
@@ -133,15 +122,12 @@ class RolloutBatch:
     def compute_advantages(self, *, normalize_std: bool = False, eps: float = 1e-6) -> "RolloutBatch":
         """Set each rollout's advantage to its reward minus the group mean (GRPO), optionally
         divided by the group std. Returns self."""
-        adv = compute_advantages(self.rewards, len(self.rollouts), normalize_std=normalize_std,
-                                 eps=eps)
+        adv = compute_advantages(self.rewards, len(self.rollouts), normalize_std=normalize_std, eps=eps)
         for r, a in zip(self.rollouts, adv.tolist()):
             r.advantage = a
         return self
 
-
-# ----------------------------------------------------------------------------------------------
-# From vLLM outputs
+# -------------------------------------------------------------------------------- from vLLM outputs
 
 
 def _check_reward(value, prompt, completion) -> float:
@@ -158,8 +144,7 @@ def _check_reward(value, prompt, completion) -> float:
 
 def _sampled_logprobs(completion) -> list[float] | None:
     """The sampled token's log-prob at each position of a vLLM CompletionOutput (None when the
-    request asked for none). `logprobs[i]` maps token id -> Logprob in every vLLM version,
-    whether it is a list of dicts or a FlatLogprobs."""
+    request asked for none). `logprobs[i]` maps token id -> Logprob in every vLLM version."""
     lps = completion.logprobs
     if lps is None:
         return None
@@ -168,27 +153,13 @@ def _sampled_logprobs(completion) -> list[float] | None:
 
 def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, *,
                        metadata: Sequence | None = None, uids: Sequence | None = None,
-                       policy_version: int | None = None, device=None,
-                       tokenizer=None) -> list[RolloutBatch]:
-    """Turn vLLM `RequestOutput`s into one RolloutBatch per prompt, scored by `reward_fn`.
-
-    outputs: what `llm.generate` returned, either one output per prompt holding `group_size`
-    completions (SamplingParams(n=group_size)), or `group_size` consecutive outputs per prompt
-    holding one completion each. The request must ask for log-probs (SamplingParams(logprobs=0)
-    is the cheapest: only the sampled token's).
-
-    reward_fn contract: `reward_fn(prompt: str, completion: str) -> float`, or, when `metadata`
-    is given (one item per prompt, e.g. the reference answer), `reward_fn(prompt, completion,
-    metadata[i])`. It must return a finite real number (bool is refused: say 1.0 / 0.0). It is
-    called once per completion, in order; an exception it raises is re-raised naming the prompt.
-
-    uids: one identifier per prompt (default: the prompt's index in `outputs`). Rollouts are
-    stamped with `policy_version` and built on `device`; by default those the engine recorded on
-    its outputs (an engine from WeightManager.as_vllm() records its policy version and the
-    trainer's device; otherwise 0 and "cpu"). Generated with SamplingParams(detokenize=False),
-    completions are decoded here with `tokenizer` (e.g. llm.get_tokenizer()): one batched decode
-    instead of vLLM's per-step incremental one.
-    """
+                       policy_version: int | None = None, device=None, tokenizer=None) -> list[RolloutBatch]:
+    """vLLM `RequestOutput`s (n=group_size per prompt, or group_size consecutive n=1 ones; asked
+    for logprobs=0) -> one RolloutBatch per prompt. reward_fn(prompt, completion[, metadata[i]])
+    is called once per completion, in order, and must return a finite real (not a bool); what it
+    raises is re-raised naming the prompt. uids: one per prompt (default: its index).
+    policy_version / device default to the engine's stamp (WeightManager.as_vllm(); else 0, "cpu").
+    With SamplingParams(detokenize=False), `tokenizer` decodes all completions in one batch."""
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     outputs = list(outputs)
@@ -212,35 +183,38 @@ def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, 
     if tokenizer is not None and any(not c.text and c.token_ids for g in groups for _, c in g):
         texts = iter(tokenizer.batch_decode([list(c.token_ids) for g in groups for _, c in g],
                                             skip_special_tokens=True))
-
     batches = []
     for gi, group in enumerate(groups):
         uid = gi if uids is None else uids[gi]
         rollouts = []
         for out, comp in group:
-            prompt_text = out.prompt
             lps = _sampled_logprobs(comp)
             if lps is None:
-                raise ValueError(f"no sampling log-probs for prompt {prompt_text!r} (uid={uid!r}): "
+                raise ValueError(f"no sampling log-probs for prompt {out.prompt!r} (uid={uid!r}): "
                                  "generate with SamplingParams(..., logprobs=0)")
             text = comp.text if texts is None else next(texts)
-            args = (prompt_text, text) if metadata is None else (prompt_text, text, metadata[gi])
+            args = (out.prompt, text) if metadata is None else (out.prompt, text, metadata[gi])
             try:
                 value = reward_fn(*args)
             except Exception as e:
-                raise RuntimeError(f"reward_fn raised {type(e).__name__}: {e} on prompt {prompt_text!r}, "
+                raise RuntimeError(f"reward_fn raised {type(e).__name__}: {e} on prompt {out.prompt!r}, "
                                    f"completion {text!r} (uid={uid!r})") from e
             rollouts.append(Rollout(
                 prompt_ids=list(out.prompt_token_ids), completion_ids=list(comp.token_ids),
-                sampling_logprobs=lps, reward=_check_reward(value, prompt_text, text),
-                finish_reason=comp.finish_reason, policy_version=version, prompt=prompt_text,
+                sampling_logprobs=lps, reward=_check_reward(value, out.prompt, text),
+                finish_reason=comp.finish_reason, policy_version=version, prompt=out.prompt,
                 completion=text, uid=uid, device=dev))
         batches.append(RolloutBatch(rollouts, uid=uid))
     return batches
 
 
-# ----------------------------------------------------------------------------------------------
-# Batched training tensors
+# ----------------------------------------------------------------------------- training tensors
+
+
+def _to_device(batch, device):
+    """A copy of a batch dataclass with every tensor field on `device`."""
+    return replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in fields(batch)
+                             if isinstance(getattr(batch, f.name), torch.Tensor)})
 
 
 @dataclass
@@ -256,9 +230,7 @@ class TrainBatch:
     num_tokens: int                # counted (loss_mask) tokens
 
     def to(self, device) -> "TrainBatch":
-        return TrainBatch(**{f.name: (getattr(self, f.name).to(device)
-                                      if isinstance(getattr(self, f.name), torch.Tensor)
-                                      else getattr(self, f.name)) for f in fields(self)})
+        return _to_device(self, device)
 
 
 def collate(rollouts: Iterable[Rollout], *, pad_token_id: int = 0, device=None) -> TrainBatch:
@@ -285,13 +257,10 @@ def collate(rollouts: Iterable[Rollout], *, pad_token_id: int = 0, device=None) 
 
 @dataclass
 class PackedBatch:
-    """Whole rollouts laid end to end in one row, no padding: what Trainer.forward_backward runs.
-
-    Positions restart at 0 for every rollout and `cu_seqlens` marks where each begins, so
-    attention that follows either never crosses rollouts. Per-token fields hold one entry per
-    *scored* token: each completion token whose loss_mask is 1, in row order; the model's logits
-    at row position scored[i] score targets[i] (= input_ids[0, scored[i] + 1]).
-    """
+    """Whole rollouts end to end in one unpadded row: what Trainer.forward_backward runs. Positions
+    restart at 0 per rollout and `cu_seqlens` marks each start, so attention never crosses rollouts.
+    Per-token fields: one entry per scored token (completion tokens with loss_mask 1, row order);
+    the logits at row position scored[i] score targets[i] (= input_ids[0, scored[i] + 1])."""
 
     input_ids: torch.Tensor        # (1, L) int64
     position_ids: torch.Tensor     # (1, L) int64, 0.. for each rollout
@@ -309,16 +278,14 @@ class PackedBatch:
         return int(self.scored.numel())
 
     def to(self, device) -> "PackedBatch":
-        return PackedBatch(**{f.name: (getattr(self, f.name).to(device)
-                                       if isinstance(getattr(self, f.name), torch.Tensor)
-                                       else getattr(self, f.name)) for f in fields(self)})
+        return _to_device(self, device)
 
 
 def split_by_tokens(rollouts: Sequence[Rollout], parts: int, *, max_tokens: int | None = None
                     ) -> list[list[Rollout]]:
-    """Greedy longest-first split into `parts` lists of about equal token counts (each to the
-    lightest part; with max_tokens, to the first that still has room, opening a new one when
-    none has). Deterministic; the order inside each part follows the input order."""
+    """Greedy longest-first split into `parts` lists of about equal token counts (each rollout to the
+    lightest part; with max_tokens, to the first with room, else a new one). Deterministic; input
+    order kept inside each part."""
     if max_tokens is None and parts < 1:
         raise ValueError(f"parts must be >= 1, got {parts}")
     order = sorted(range(len(rollouts)), key=lambda i: -rollouts[i].num_tokens)
@@ -371,8 +338,7 @@ def pack(rollouts: Sequence[Rollout], max_tokens: int) -> list[PackedBatch]:
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Save / load (JSON lines: one rollout per line, readable and exact)
+# ------------------------------------- save / load (JSON lines: one rollout a line, exact floats)
 
 
 def save_rollouts(path: str | os.PathLike, batches: Iterable[RolloutBatch]) -> Path:
