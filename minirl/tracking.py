@@ -3,18 +3,14 @@ JSONL file (always), TensorBoard, and optionally Weights & Biases or MLflow. Plu
 
     with Tracker("runs/gsm8k", total_steps=200, config=cfg) as tracker:
         for step in range(1, 201):
-            ...
             tracker.log({"reward/mean": r, "loss": loss, "time/generate": t_gen}, step=step)
 
     python -m minirl.tracking plot runs/gsm8k [--out curves.png] [--keys loss kl]
 
-Runs on CPU (any machine); nothing here touches an accelerator. Only rank 0 writes.
-Files in run_dir: metrics.jsonl (one JSON object per log call: "step", wall-clock "time" in unix
-seconds, then the metrics as plain ints/floats; opened in append mode so a resumed run continues
-the same file), config.json (the `config` dict, rewritten by each Tracker), tb/ (TensorBoard).
-Non-finite values (NaN, +-inf): the JSONL must stay strict JSON, so they are written as null and
-their keys listed in the record's "nonfinite" field; the other backends get the raw float.
-The bar's position is set to `step`, so count steps from 1 if you want it to end at total_steps.
+CPU, any machine; only rank 0 writes. run_dir holds metrics.jsonl (appended, so a resumed run
+continues it: per log call "step", unix "time", then the metrics as plain ints/floats; non-finite
+values are written as null and their keys listed in "nonfinite", the other backends get the raw
+float), config.json (the `config` dict) and tb/. The bar's position is `step`: count from 1.
 """
 
 from __future__ import annotations
@@ -33,19 +29,16 @@ RESERVED = ("step", "time", "nonfinite")
 
 def _default_rank() -> int:
     import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", 0))
+    initialized = dist.is_available() and dist.is_initialized()
+    return dist.get_rank() if initialized else int(os.environ.get("RANK", 0))
 
 
 def _to_number(key, v):
     """Plain int/float from a python, numpy or torch scalar (bools become 0/1)."""
     if hasattr(v, "item") and not isinstance(v, (int, float)):
         v = v.item()                      # torch / numpy scalar; raises for multi-element tensors
-    if isinstance(v, bool):
-        return int(v)
     if isinstance(v, int):
-        return v
+        return int(v)
     try:
         return float(v)
     except (TypeError, ValueError):
@@ -72,14 +65,13 @@ def _import(name: str):
 
 
 class Tracker:
-    """Metrics to the console (tqdm progress bar), a JSONL file (always), TensorBoard, and
-    optionally W&B / MLflow. On ranks other than 0 every method is a no-op."""
+    """Metrics to a tqdm bar, a JSONL file (always), TensorBoard, and optionally W&B / MLflow.
+    On ranks other than 0 every method is a no-op."""
 
     def __init__(self, run_dir, *, backends=("tensorboard",), total_steps=None, config=None,
                  project="minirl", run_name=None, console=True, rank=None):
         backends = (backends,) if isinstance(backends, str) else tuple(backends or ())
-        bad = [b for b in backends if b not in BACKENDS]
-        if bad:
+        if bad := [b for b in backends if b not in BACKENDS]:
             raise ValueError(f"unknown tracking backend(s) {bad}; valid: {list(BACKENDS)}")
         self.rank = _default_rank() if rank is None else rank
         self.enabled = self.rank == 0
@@ -108,8 +100,7 @@ class Tracker:
             self._mlflow = mlflow
         if console:
             from tqdm.auto import tqdm
-            self._bar = tqdm(total=total_steps, desc=run_name or self.run_dir.name,
-                             dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, desc=run_name or self.run_dir.name, dynamic_ncols=True)
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
@@ -118,9 +109,9 @@ class Tracker:
         values = {str(k): _to_number(k, v) for k, v in metrics.items()}
         if clash := [k for k in values if k in RESERVED]:
             raise ValueError(f"metric names {clash} are reserved by the JSONL record")
-        record = {"step": step, "time": time.time()}
         nonfinite = [k for k, v in values.items() if isinstance(v, float) and not math.isfinite(v)]
-        record.update({k: None if k in nonfinite else v for k, v in values.items()})
+        record = {"step": step, "time": time.time(),
+                  **{k: None if k in nonfinite else v for k, v in values.items()}}
         if nonfinite:
             record["nonfinite"] = nonfinite
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
@@ -131,8 +122,7 @@ class Tracker:
         if self._wandb is not None:
             self._wandb.log(values, step=step)
         if self._mlflow is not None:
-            self._mlflow.log_metrics({_mlflow_key(k): float(v) for k, v in values.items()},
-                                     step=step)
+            self._mlflow.log_metrics({_mlflow_key(k): float(v) for k, v in values.items()}, step=step)
         if self._bar is not None:
             self._bar.n = step
             self._bar.set_postfix_str(_postfix(values), refresh=True)
