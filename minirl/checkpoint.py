@@ -9,13 +9,12 @@ Layout of one checkpoint, runs/x/checkpoints/step_00000012/:
     rng_rank<r>.pt  python / numpy / torch (CPU and CUDA) generator states of each rank
     state.json      step, caller's JSON state (policy version, prompt cursor...), compat
     objects.pt      caller's other objects (e.g. the queued rollouts of an async run), rank 0
-    hf/             the policy as safetensors + config + tokenizer (optional): loads in
-                    transformers and vLLM as is; gathered to rank 0 only (one full copy per node)
+    hf/             optional: the policy as safetensors + config + tokenizer, loads in transformers
+                    and vLLM as is; gathered to rank 0 only (one full copy per node)
     MANIFEST.json   every file's size, written last
 
-Writes go to a hidden temporary directory renamed into place once complete, so a half-written
-checkpoint is never picked up; a checkpoint without a matching manifest is refused with a clear
-error. Only the newest `keep` complete checkpoints are kept. Collective: every training rank
+Written to a hidden temporary directory renamed into place once complete; one without a matching
+manifest is refused with a clear error. The newest `keep` stay. Collective: every training rank
 calls save / load. Hardware: any (gloo or NCCL process group, or a single process).
 """
 
@@ -93,8 +92,8 @@ def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, tokenizer_f
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from minirl.weights import reshard
     reshard(model)
-    full = dist.is_initialized()
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+    opts = StateDictOptions(full_state_dict=dist.is_initialized(), cpu_offload=True)
+    sd = get_model_state_dict(model, options=opts)
     if _rank() != 0:
         return
     if dtype is None:
@@ -132,8 +131,7 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
         from minirl.weights import reshard
-        final = self.root / f"step_{step:08d}"
-        tmp = self.root / f".tmp_step_{step:08d}"
+        final, tmp = self.root / f"step_{step:08d}", self.root / f".tmp_step_{step:08d}"
         if _rank() == 0:
             if final.exists():
                 raise CheckpointError(f"checkpoint {final} already exists")
@@ -149,8 +147,8 @@ class Checkpointer:
         _barrier()
         if _rank() == 0:
             world = dist.get_world_size() if dist.is_initialized() else 1
-            (tmp / "state.json").write_text(json.dumps({"step": step, "world_size": world,
-                                                        "state": state or {}, "compat": compat or {}}))
+            meta = {"step": step, "world_size": world, "state": state or {}, "compat": compat or {}}
+            (tmp / "state.json").write_text(json.dumps(meta))
             if objects:
                 torch.save(objects, tmp / "objects.pt")
             (tmp / "MANIFEST.json").write_text(json.dumps(_manifest(tmp)))
@@ -164,17 +162,13 @@ class Checkpointer:
              compat: dict | None = None) -> dict:
         """Restore model, optimizer and RNG states from `path` (default: the latest complete
         checkpoint). compat: what must match the saved run (model, tokenizer, settings); a
-        difference raises CheckpointError naming it. Returns {"step", "state", "objects", "path"}."""
+        difference raises CheckpointError naming it. Returns read_state(path)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         from minirl.weights import reshard
-        if path is None:
-            path = self.latest()
-            if path is None:
-                raise CheckpointError(f"no complete checkpoint under {self.root}")
-        path = verify(path)
-        meta = json.loads((path / "state.json").read_text())
-        saved = meta.get("compat", {})
+        if path is None and (path := self.latest()) is None:
+            raise CheckpointError(f"no complete checkpoint under {self.root}")
+        saved = json.loads((verify(path) / "state.json").read_text()).get("compat", {})
         diff = {k: (saved.get(k), v) for k, v in (compat or {}).items() if k in saved and saved[k] != v}
         if diff:
             raise CheckpointError(f"checkpoint {path} does not fit this run: "
@@ -182,14 +176,12 @@ class Checkpointer:
         reshard(model)
         msd, osd = get_state_dict(model, optimizer)
         sd = {"model": msd, "optim": osd}
-        dcp.load(sd, checkpoint_id=str(path / "dcp"))
+        dcp.load(sd, checkpoint_id=str(Path(path) / "dcp"))
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        rng = path / f"rng_rank{_rank()}.pt"
+        rng = Path(path) / f"rng_rank{_rank()}.pt"
         if rng.exists():          # absent when resuming on more ranks than were saved
             _set_rng_state(torch.load(rng, weights_only=False))
-        objects = path / "objects.pt"
-        return {"step": meta["step"], "state": meta["state"], "path": str(path),
-                "objects": torch.load(objects, weights_only=False) if objects.exists() else {}}
+        return read_state(path)
 
 
 def tokenizer_hash(model_dir: str) -> str | None:
@@ -207,8 +199,8 @@ def tokenizer_hash(model_dir: str) -> str | None:
 
 
 def read_state(path: str | os.PathLike) -> dict:
-    """A checkpoint's {"step", "state", "objects"} without touching any model (e.g. for the
-    generation side of an async run, which only needs the prompt bookkeeping)."""
+    """A checkpoint's {"step", "state", "objects", "path"} without touching any model (e.g. for
+    the generation side of an async run, which only needs the prompt bookkeeping)."""
     path = verify(path)
     meta = json.loads((path / "state.json").read_text())
     objects = path / "objects.pt"
