@@ -1,19 +1,19 @@
 """Moving full weights from the trainer (rank 0) to generation workers, two ways.
 
 - Object store: `pack_bucket` turns a bucket [(name, tensor)] into numpy arrays (bf16 viewed as
-  int16), the trainer `ray.put`s each bucket once and every generator `ray.get`s it (zero-copy
-  from the node's shared memory) and `unpack_bucket`s it onto its device.
-- Collective broadcast: `BroadcastGroup` is a standalone process group (gloo on CPU, NCCL on
-  CUDA) over a TCPStore hosted by the trainer: rank 0 is the trainer, ranks 1.. the generators.
-  It never touches torch.distributed's default group, so the trainer's FSDP world and each
-  generator's vLLM world are undisturbed. Each bucket travels as one flat buffer per dtype.
+  int16); the trainer `ray.put`s each bucket once, every generator `ray.get`s it (zero-copy from
+  the node's shared memory) and `unpack_bucket`s it onto its device.
+- Collective broadcast: `BroadcastGroup`, a standalone process group (gloo on CPU, NCCL on CUDA,
+  with a timeout) over a TCPStore hosted by the trainer (rank 0; generators 1..), apart from the
+  trainer's FSDP world and each generator's vLLM world. One flat buffer per dtype per bucket.
 
-Pure torch + numpy (no ray import): actors and TrainWorker do the calling. Every group has a
-timeout.
+Pure torch + numpy (no ray import): actors and TrainWorker do the calling. CPU or GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,13 +39,10 @@ def pack_bucket(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, 
 
 def unpack_bucket(packed, device=None) -> list[tuple[str, torch.Tensor]]:
     """Inverse of pack_bucket; arrays may be read-only views of shared memory (never written)."""
-    out = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)      # "array is not writable": we only read
-        for name, dtype, arr in packed:
-            t = torch.from_numpy(arr).view(_DTYPES[dtype])
-            out.append((name, t.to(device) if device is not None else t))
-    return out
+        tensors = [(name, torch.from_numpy(arr).view(_DTYPES[dtype])) for name, dtype, arr in packed]
+    return [(name, t.to(device) if device is not None else t) for name, t in tensors]
 
 
 @dataclass(frozen=True)
@@ -68,11 +65,9 @@ class BucketMeta:
 
 
 class BroadcastGroup:
-    """A standalone process group for weight broadcast: rank 0 sends, all others receive.
-
-    Every member constructs it with the same host/port/prefix/world_size at about the same
-    time (rank 0 hosts the TCPStore). A new membership uses a new prefix.
-    """
+    """A standalone process group for weight broadcast: rank 0 sends, all others receive. Every
+    member constructs it with the same host/port/prefix/world_size at about the same time (rank 0
+    hosts the TCPStore); a new membership uses a new prefix."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, *, prefix: str,
                  device: torch.device, timeout_s: float = 300.0, store=None):
@@ -98,9 +93,8 @@ class BroadcastGroup:
     def send(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
         """Rank 0: broadcast a bucket (one flat buffer per dtype). Returns bytes sent."""
         sent = 0
-        for dtype, items in BucketMeta.of(bucket).groups:
-            tensors = [t for name, t in bucket if str(t.dtype) == dtype]
-            flat = torch.cat([t.reshape(-1).to(self.device) for t in tensors])
+        for dtype, _ in BucketMeta.of(bucket).groups:
+            flat = torch.cat([t.reshape(-1).to(self.device) for _, t in bucket if str(t.dtype) == dtype])
             self._bcast(flat)
             sent += flat.numel() * flat.element_size()
         return sent
@@ -109,19 +103,13 @@ class BroadcastGroup:
         """Ranks > 0: receive one bucket described by `meta`."""
         out = []
         for dtype, items in meta.groups:
-            numel = sum(int(np.prod(shape)) for _, shape in items)
-            flat = torch.empty(numel, dtype=_DTYPES[dtype], device=self.device)
+            sizes = [math.prod(shape) for _, shape in items]
+            flat = torch.empty(sum(sizes), dtype=_DTYPES[dtype], device=self.device)
             self._bcast(flat)
-            offset = 0
-            for name, shape in items:
-                n = int(np.prod(shape))
-                out.append((name, flat[offset:offset + n].view(shape)))
-                offset += n
+            out += [(name, t.view(shape)) for (name, shape), t in zip(items, flat.split(sizes))]
         return out
 
     def close(self) -> None:
         if hasattr(self.pg, "shutdown"):
-            try:
+            with contextlib.suppress(Exception):   # best effort on a group being torn down
                 self.pg.shutdown()
-            except Exception:   # noqa: BLE001 - best effort on a group being torn down
-                pass
