@@ -7,11 +7,11 @@ Plain (unsharded) modules work too. Pure torch; CPU or GPU.
 
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 import torch
 from torch import nn
-
 from torch.distributed.fsdp import FSDPModule
 
 _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
@@ -73,16 +73,11 @@ def bucket_layout(model: nn.Module, *, dtype: torch.dtype | None = None, bucket_
 def full_weight_buckets(model: nn.Module, *, dtype: torch.dtype | None = None,
                         bucket_bytes: int = 512 << 20, device: torch.device | None = None
                         ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yield [(hf_name, full tensor)] buckets covering every parameter once. Tensors are cast to
-    `dtype` and moved to `device` when given.
-
-    FSDP2 models: one bucket per FSDP unit (each decoder layer, then the root's own
-    parameters), gathered with the unit's own unshard(): one all-gather per unit, in the
-    mixed-precision param dtype (bf16 on GPU), never more than one unit unsharded at a time.
-    Plain modules: buckets of about bucket_bytes in parameter order. A bucket's tensors may
-    alias storage that is freed when the next bucket is asked for: copy what you keep.
-    Collective for FSDP2: call on every rank of the model's process group and consume every
-    bucket.
+    """Yield [(hf_name, full tensor)] buckets covering every parameter once, cast to `dtype` and
+    moved to `device` when given. FSDP2: one bucket per unit (each decoder layer, then the root's
+    own parameters) via its unshard(), one all-gather in the param dtype, one unit unsharded at a
+    time; collective (every rank, every bucket consumed). Plain modules: ~bucket_bytes buckets.
+    A bucket's tensors may alias storage freed when the next one is asked for: copy what you keep.
     """
     reshard(model)
     yield from _gather(_groups(model, bucket_bytes), _caster(dtype, device))
@@ -91,13 +86,12 @@ def full_weight_buckets(model: nn.Module, *, dtype: torch.dtype | None = None,
 @torch.no_grad()
 def gather_during_forward(model: nn.Module, forward, on_bucket, *, dtype: torch.dtype | None = None,
                           bucket_bytes: int = 512 << 20):
-    """Run `forward()` (a no-grad forward of `model`) and hand each FSDP unit's full parameters
-    to `on_bucket([(hf_name, tensor)])` while the forward has the unit unsharded: the forward's
-    own all-gathers serve the weight sync too, one unshard pass instead of two. Units the
-    forward did not run, and plain modules, are then gathered as full_weight_buckets does.
-    Every parameter goes to on_bucket exactly once, in full_weight_buckets' buckets (forward
-    order first); tensors may alias storage freed after on_bucket returns. Returns forward()'s
-    result and leaves the model resharded. Collective for FSDP2, like full_weight_buckets."""
+    """Run `forward()` (a no-grad forward of `model`), handing each FSDP unit's full parameters to
+    `on_bucket([(hf_name, tensor)])` while the forward has it unsharded: one unshard pass serves
+    forward and weight sync. Units it did not run, and plain modules, are gathered after it.
+    Every parameter goes to on_bucket once, in full_weight_buckets' buckets (forward order first;
+    tensors may alias storage freed after on_bucket returns). Returns forward()'s result, the
+    model resharded. Collective for FSDP2, like full_weight_buckets."""
     cast = _caster(dtype)
     reshard(model)
     groups = _groups(model, bucket_bytes)
@@ -121,12 +115,7 @@ def gather_during_forward(model: nn.Module, forward, on_bucket, *, dtype: torch.
 
 
 def _caster(dtype: torch.dtype | None, device: torch.device | None = None):
-    def cast(t):
-        t = t.detach()
-        if dtype is not None:
-            t = t.to(dtype)
-        return t.to(device) if device is not None else t
-    return cast
+    return lambda t: t.detach().to(device=device, dtype=dtype)     # None keeps the tensor's own
 
 
 def _bucket(unit: nn.Module, params, cast) -> list[tuple[str, torch.Tensor]]:
@@ -188,14 +177,13 @@ def probe_gap(trainer_lp, engine_lp) -> float:
     (a NaN never passes a tolerance)."""
     gap = (torch.as_tensor(engine_lp, dtype=torch.float64) -
            torch.as_tensor(trainer_lp, dtype=torch.float64)).abs().mean().item()
-    return gap if gap == gap and gap != float("inf") else float("inf")
+    return gap if math.isfinite(gap) else math.inf
 
 
 def check_sync(gap: float, stuck: bool, *, tolerance: float | None, engine_dtype: torch.dtype,
                where: str, version: int) -> None:
     """Raise SyncError when the engine's weights did not change although the trainer's did
-    (`stuck`), or when the probe gap exceeds the tolerance (default 2e-3 for fp32 engines, 0.05
-    else)."""
+    (`stuck`), or the probe gap exceeds the tolerance (default 2e-3 for fp32 engines, else 0.05)."""
     if tolerance is None:
         tolerance = 2e-3 if engine_dtype == torch.float32 else 0.05
     if stuck:
