@@ -1,8 +1,8 @@
-"""torch.distributed set-up shared by every minirl process that trains.
+"""torch.distributed set-up shared by every minirl process that trains (CPU or CUDA).
 
-Device and backend come from what the process really has (torch.cuda.is_available()), never
-from Ray's GPU ids: NCCL (+gloo for CPU tensors) on CUDA, gloo on CPU. A process started
-without torchrun or Ray gets a one-rank world on a free local port. Every group has a timeout.
+Device and backend come from what the process really has (torch.cuda.is_available()), never from
+Ray's GPU ids: NCCL (+gloo for CPU tensors) on CUDA, gloo on CPU. Without torchrun or Ray a process
+gets a one-rank world on a free local port. Every group has a timeout. Use: `init_distributed()`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ class Rank:
     world_size: int
     local_rank: int
     device: torch.device
-    owns_group: bool = False
-    """True when init_distributed created the process group (so its owner may destroy it)."""
+    owns_group: bool = False    # init_distributed created the process group (its owner may destroy it)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -40,27 +39,21 @@ def pick_device(local_rank: int) -> torch.device:
 
 
 def init_distributed(timeout_s: float = 600.0) -> Rank:
-    """Join (or create) the default process group and return this process's place in it.
-
-    Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (torchrun and minirl's Ray
-    actors set them); without them, starts a one-rank world. Leaves those variables set, since
-    vLLM's external_launcher reads them too.
-    """
+    """Join (or create) the default process group; returns this process's place in it. Reads
+    RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (set by torchrun and minirl's Ray
+    actors; without them: a one-rank world) and leaves them set for vLLM's external_launcher."""
     if "RANK" not in os.environ and not dist.is_initialized():
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
     local_rank = int(os.environ["LOCAL_RANK"])
     device = pick_device(local_rank)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
     created = not dist.is_initialized()
     if created:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-            backend = "cpu:gloo,cuda:nccl"
-        else:
-            backend = "gloo"
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
-    elif device.type == "cuda":
-        torch.cuda.set_device(device)
+                                device_id=device if cuda else None)
     return Rank(dist.get_rank(), dist.get_world_size(), local_rank, device, created)

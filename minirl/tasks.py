@@ -1,11 +1,10 @@
 """Built-in verifiable tasks for demos and tests: a prompt stream plus an exact reward.
 
-Each task writes prompts like "3+4=" whose answer is one digit, and rewards a completion 1.0
-when its first character is that digit, else 0.0. A random model (64-token vocabulary) scores
-about 1/64, so a rising reward curve means the policy learned from its own rollouts.
+Prompts like "3+4=" whose answer is one digit; a completion scores 1.0 when it starts with that
+digit. A random model (64-token vocabulary) scores about 1/64, so a rising reward curve means the
+policy learned from its own rollouts. CPU only, no downloads.
 
     python -m minirl.tasks add        # print a few prompts and answers
-CPU only, no downloads.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ class Task:
     """A prompt generator and its reward function (minirl's reward_fn contract)."""
 
     name: str
-    make: Callable[[random.Random], tuple[str, str]]
-    """rng -> (prompt, answer)."""
+    make: Callable[[random.Random], tuple[str, str]]      # rng -> (prompt, answer)
 
     def sample(self, n: int, seed: int) -> tuple[list[str], list[str]]:
         """n (prompt, answer) pairs, reproducible from seed."""

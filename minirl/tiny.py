@@ -1,7 +1,6 @@
-"""A tiny causal LM and character tokenizer, built locally in about a second.
-
-Tests and the default demo share it: no network, loads in transformers and in vLLM's CPU
-build (head_dim 64 >= 32). Random weights, so it knows nothing until trained.
+"""A tiny causal LM (random weights: it knows nothing until trained) and character tokenizer,
+built locally in about a second, for tests and the default demo. CPU; no network; loads in
+transformers and in vLLM's CPU build (head_dim 64 >= 32).
 
     python -m minirl.tiny /tmp/tiny        # writes config, safetensors and tokenizer there
 """
@@ -39,13 +38,9 @@ def build_tokenizer():
 
 def build_tiny_model(path: str | os.PathLike, *, hidden_size: int = 128, num_layers: int = 2,
                      num_heads: int = 2, num_kv_heads: int | None = None, intermediate_size: int = 256,
-                     vocab_size: int = 64,
-                     tie_word_embeddings: bool = True, seed: int = 0) -> Path:
-    """Write a random-init Qwen3 causal LM plus the character tokenizer to `path`.
-
-    Returns `path`. Rebuilding with the same arguments gives bit-identical weights.
-    vocab_size is padded above the tokenizer's ids (vLLM and HF accept that).
-    """
+                     vocab_size: int = 64, tie_word_embeddings: bool = True, seed: int = 0) -> Path:
+    """Write a random-init Qwen3 causal LM plus the character tokenizer to `path`; returns it.
+    The same arguments give bit-identical weights; vocab_size may exceed the tokenizer's."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -62,8 +57,7 @@ def build_tiny_model(path: str | os.PathLike, *, hidden_size: int = 128, num_lay
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads or num_heads,
         head_dim=head_dim, max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings,
         bos_token_id=None, eos_token_id=vocab()["<eos>"], pad_token_id=vocab()["<pad>"],
-        torch_dtype="float32", rope_theta=10000.0,
-    )
+        torch_dtype="float32", rope_theta=10000.0)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     path.mkdir(parents=True, exist_ok=True)
