@@ -7,13 +7,14 @@ minirl's reward_fn signature; the others take the completion first and compose w
     reward_fn = combine((gsm8k_reward, 1.0), (lambda p, c, *_: format_reward(c, boxed=True), 0.1))
     code_fn = lambda prompt, completion, tests: code_reward(completion, tests)
 
-Math equality uses sympy (exact rationals; symbolic answers compared at sample points); code runs
-in a child Python process under resource limits (`run_code`). CPU only, Linux (elsewhere without
-the network namespace); no downloads. Tests: `python -m pytest tests/test_rewards.py -q`.
+Math equality uses sympy (exact rationals; symbolic answers at sample points); code runs in a
+child Python under resource limits (`run_code`). CPU only, Linux (elsewhere without the network
+namespace); no downloads. Tests: `python -m pytest tests/test_rewards.py -q`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -116,13 +117,11 @@ def _to_sympy(s: str):
 
 
 def math_equal(a: str, b: str) -> bool:
-    """Whether two final answers have the same value. Both are normalized (`1,000` = `1000`,
-    `$5` = `5`, `5 cm` = `5`, `x = 3` = `3`), then compared as sympy values when both parse:
-    exactly when rational (`0.5` = `1/2` = `\\frac{1}{2}`, `3.0` = `3`, `0.33` != `1/3`), to 20
-    digits when irrational (`\\frac{\\sqrt{2}}{2}` = `1/\\sqrt{2}`, `\\pi` != `3.14159`), with
-    symbols set to two fixed rationals (`x^2+2x+1` = `(x+1)^2`); else as strings, spaces ignored.
-    Percent: the sign is dropped and the number kept as written, so `50%` = `50` and `50%` !=
-    `0.5` (GSM8K writes percentage answers as the bare number). 1e3 notation is not parsed.
+    """Whether two final answers have the same value. Both are normalized (`1,000` = `1000`, `$5`
+    = `5`, `5 cm` = `5`, `x = 3` = `3`, `50%` = `50` != `0.5` as GSM8K writes percentages), then
+    compared as sympy values when both parse: exactly when rational (`0.5` = `\\frac{1}{2}`,
+    `0.33` != `1/3`), to 20 digits when irrational (`\\pi` != `3.14159`), symbols set to two
+    fixed rationals (`x^2+2x+1` = `(x+1)^2`); else as strings, spaces ignored. No 1e3 notation.
     Empty answers, and answers over 500 characters (bounds the time), are never equal."""
     if len(a) > 500 or len(b) > 500 or not (a := _normalize(a)) or not (b := _normalize(b)):
         return False
@@ -200,9 +199,9 @@ main()
 
 @dataclass(frozen=True)
 class RunResult:
-    """Outcome of `run_code`. status: "ok" (all tests passed), "fail" (a test failed, or the code
-    raised), "timeout" (wall or CPU limit), "memory" (MemoryError at the memory limit) or
-    "crash" (died without reporting: a signal, os._exit, output past the file size limit)."""
+    """Outcome of `run_code`. status: "ok" (all tests passed), "fail" (a test failed or the code
+    raised), "timeout" (wall or CPU limit), "memory" (MemoryError) or "crash" (died unreported:
+    a signal, os._exit, output past the file size limit)."""
 
     status: str
     passed: int         # tests passed; 0 unless status is "ok" or "fail"
@@ -213,8 +212,8 @@ class RunResult:
 
 @cache
 def _netns_prefix() -> tuple[str, ...]:
-    """`unshare -rn` (new user and network namespaces: no network, loopback down) where this
-    system permits it unprivileged; () where not (not Linux, or user namespaces disabled)."""
+    """`unshare -rn` (new user and network namespaces: no network) where this system permits it
+    unprivileged; () where not (not Linux, or user namespaces disabled)."""
     if sys.platform != "linux" or not (exe := shutil.which("unshare")):
         return ()
     try:
@@ -230,22 +229,18 @@ def _check_tests(tests) -> list[str]:
         raise TypeError(f"tests must be a str or a list of str (Python code, one test each, e.g. "
                         f"['assert f(1) == 2']), got {type(tests).__name__}: {tests!r:.100}")
     if not tests:
-        raise ValueError("tests is empty: pass at least one test (without tests any code "
-                         "would score 1.0)")
+        raise ValueError("tests is empty: pass at least one test (without tests any code would score 1.0)")
     return list(tests)
 
 
-def run_code(code: str, tests: str | list[str], *, timeout_s: float = 5.0,
-             memory_mb: int = 512) -> RunResult:
+def run_code(code: str, tests: str | list[str], *, timeout_s: float = 5.0, memory_mb: int = 512) -> RunResult:
     """Run `code`, then each test (Python source, e.g. asserts) in its namespace, in a child
-    `python -I`: own session, temp working dir, env only PATH, stdin at EOF, `__name__` set to
-    "solution" (`if __name__ == "__main__":` blocks do not run). Limits: RLIMIT_AS memory_mb,
-    RLIMIT_CPU ceil(timeout_s)+1 s, RLIMIT_NPROC 64 (the user's processes; root is exempt),
-    RLIMIT_FSIZE 4 MiB, no core files; at timeout_s of wall time its process group is killed.
-    An audit hook in the child refuses sockets, process creation (fork, exec, spawn, subprocess,
-    os.system), os.kill and ctypes; where permitted it also runs under `unshare -rn` (no network
-    at all). This contains mistakes, hangs and runaway resource use, not code written to attack
-    the harness (use a container for that). Raises only for malformed arguments."""
+    `python -I`: own session, temp working dir, env only PATH, stdin at EOF, `__name__` =
+    "solution". Limits: RLIMIT_AS memory_mb, RLIMIT_CPU ceil(timeout_s)+1 s, RLIMIT_NPROC 64
+    (root is exempt), RLIMIT_FSIZE 4 MiB, no core; its process group is killed at timeout_s of
+    wall time. An audit hook refuses sockets, process creation, os.kill and ctypes; where
+    permitted it runs under `unshare -rn` (no network). Contains mistakes, hangs and runaway
+    resource use, not attacks on the harness (use a container). Raises only for bad arguments."""
     tests = _check_tests(tests)
     if not isinstance(code, str):
         raise TypeError(f"code must be a str, got {type(code).__name__}")
@@ -264,10 +259,8 @@ def run_code(code: str, tests: str | list[str], *, timeout_s: float = 5.0,
                 timed_out = False
             except subprocess.TimeoutExpired:
                 timed_out = True
-            try:    # also ends whatever the code left running in its process group
-                os.killpg(proc.pid, 9)
-            except (ProcessLookupError, PermissionError):
-                pass
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, 9)      # also ends whatever the code left in its process group
         with open(out, errors="replace") as fo, open(err, errors="replace") as fe:
             reports = [json.loads(ln[len(nonce):]) for ln in fo  # whole lines only
                        if ln.startswith(nonce) and ln.endswith("\n")]
@@ -276,8 +269,7 @@ def run_code(code: str, tests: str | list[str], *, timeout_s: float = 5.0,
         status, passed = "timeout", 0
     else:
         status, passed = reports[-1] if reports else ("crash", 0)
-    return RunResult(status, passed if status in ("ok", "fail") else 0, len(tests),
-                     proc.returncode, stderr)
+    return RunResult(status, passed if status in ("ok", "fail") else 0, len(tests), proc.returncode, stderr)
 
 
 def extract_code(completion: str) -> str | None:
@@ -291,9 +283,8 @@ def extract_code(completion: str) -> str | None:
 
 def code_reward(completion: str, tests: str | list[str], *, timeout_s: float = 5.0,
                 memory_mb: int = 512, partial: bool = True) -> float:
-    """Fraction of `tests` passed by `extract_code(completion)` under `run_code`, or with
-    partial=False 1.0 only if all pass. 0.0 when there is no code, and on timeout, memory or
-    crash, which are also logged as warnings with the child's stderr tail."""
+    """Fraction of `tests` passed by `extract_code(completion)` under `run_code` (partial=False: 1.0
+    only if all pass). 0.0 without code, and on timeout, memory or crash (logged as warnings)."""
     tests = _check_tests(tests)
     if (code := extract_code(completion)) is None:
         return 0.0
@@ -314,8 +305,7 @@ def format_reward(completion: str, tags: tuple[str, ...] | list[str] = ("answer"
         raise TypeError(f"tags must be a tuple of tag names, e.g. ({tags!r},), not a str")
     pos = 0
     for tag in tags:
-        found = list(re.finditer(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", completion,
-                                 re.DOTALL))
+        found = list(re.finditer(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", completion, re.DOTALL))
         if len(found) != 1 or not found[0][1].strip() or found[0].start() < pos:
             return 0.0
         pos = found[0].end()
