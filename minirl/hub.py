@@ -2,8 +2,8 @@
 
 It keeps consistent a pool of prompts that generators lease (`take_prompts`) and give back when
 they die (`release_worker`); a bounded buffer of finished RolloutBatches (one per prompt) that the
-trainer takes (`take_batches`), re-issuing those of a too-old policy; the run's staleness bound,
-published policy version and end; and exactly-once accounting: every prompt uid is in one state
+trainer takes (`take_batches`), re-issuing those of a too-old policy; the staleness bound, policy
+version and run's end; and exactly-once accounting: every prompt uid is in one state
 
       pending -> leased -> buffered -> delivered
          ^--------'---------'   (worker lost / batch too stale)
@@ -114,14 +114,11 @@ class RolloutHub:
     def set_trainer_done(self) -> None:
         self.trainer_done = True
 
-    def too_stale(self, version: int) -> bool:
-        """Whether weights of `version` are too old to start new work under max_staleness."""
-        return self.max_staleness is not None and self._version - version > self.max_staleness
-
     def take_prompts(self, worker_id: str, k: int, version: int | None = None) -> list[PromptItem] | None:
         """Lease up to k pending prompts (oldest first, as copies) to `worker_id`; [] when none are
-        pending; None, leasing nothing, when the worker's weights `version` are too_stale."""
-        if self._pending and version is not None and self.too_stale(version):
+        pending; None, leasing nothing, when its weights' `version` lags more than max_staleness."""
+        if (self._pending and version is not None and self.max_staleness is not None
+                and self._version - version > self.max_staleness):
             return None
         out = []
         while self._pending and len(out) < k:
@@ -212,9 +209,6 @@ class RolloutHub:
         (e.g. [object_refs], wrapped so Ray passes them through); weights=None clears the handle."""
         self._version = int(version)
         self._weights = weights
-
-    def version(self) -> int:
-        return self._version
 
     def weights(self) -> tuple[int, Any]:
         """(version, weights handle) as last published by set_version."""
