@@ -107,10 +107,6 @@ class RolloutBatch:
         return self.rollouts[i]
 
     @property
-    def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rollouts)
-
-    @property
     def rewards(self) -> list[float]:
         return [r.reward for r in self.rollouts]
 
@@ -241,13 +237,12 @@ def collate(rollouts: Iterable[Rollout], *, pad_token_id: int = 0, device=None) 
     B, T = len(rollouts), max(r.num_tokens for r in rollouts)
     ids = torch.full((B, T), pad_token_id, dtype=torch.long)
     att = torch.zeros(B, T, dtype=torch.long)
-    old = torch.zeros(B, T - 1)
-    mask = torch.zeros(B, T - 1)
+    old, mask = torch.zeros(B, T - 1), torch.zeros(B, T - 1)    # log-prob-shaped: entry P-1 scores token P
     for i, r in enumerate(rollouts):
         P, C = len(r.prompt_ids), len(r.completion_ids)
         ids[i, :P + C] = torch.tensor(r.prompt_ids + r.completion_ids)
         att[i, :P + C] = 1
-        old[i, P - 1:P - 1 + C] = torch.tensor(r.sampling_logprobs)       # entry P-1 scores token P
+        old[i, P - 1:P - 1 + C] = torch.tensor(r.sampling_logprobs)
         m = r.loss_mask if r.loss_mask is not None else [1] * C
         mask[i, P - 1:P - 1 + C] = torch.tensor(m, dtype=torch.float32)
     adv = torch.tensor([r.advantage for r in rollouts], dtype=torch.float32)

@@ -200,8 +200,7 @@ def prompt_logprobs(llm: LLM, token_ids: list[int]) -> list[float]:
     log-softmax: vLLM never applies temperature to prompt log-probs)."""
     from vllm.inputs import TokensPrompt
     sp = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-    out = LLM.generate(llm, [TokensPrompt(prompt_token_ids=list(token_ids))], sp,
-                       use_tqdm=False)[0]
+    out = LLM.generate(llm, [TokensPrompt(prompt_token_ids=list(token_ids))], sp, use_tqdm=False)[0]
     return [d[tok].logprob for d, tok in zip(out.prompt_logprobs[1:], token_ids[1:])]
 
 
