@@ -47,17 +47,22 @@ class WeightPusher:
         tr, t = self.trainer, {}
         version = tr.publish()
         gens = placement.get(self.queue.workers.remote(), self.timeout, "rollout queue") if self.rank0 else {}
+        sent = [0]
+
+        def count(bucket):
+            sent[0] += sum(x.numel() * x.element_size() for _, x in bucket)
         if self.transport == "object_store":
             refs = []
-            ship = (lambda b: refs.append(ray.put(_pack(b)))) if self.rank0 else (lambda b: None)
+            ship = (lambda b: (count(b), refs.append(ray.put(_pack(b))))) if self.rank0 else (lambda b: None)
             fp, lp = tr.gather(ship, dtype=tr.compute_dtype, probe_ids=self.probe)
             if self.rank0:
                 self.refs = refs                 # kept alive: restarted generators fetch them
                 placement.get(self.queue.set_version.remote(version, refs), self.timeout, "rollout queue")
                 acks = {w: h.load_from_store.remote(version, refs, self.probe) for w, h in gens.items()}
         else:
-            acks, ship = (self._broadcast_to(gens, version, t) if self.rank0 else ({}, lambda b: None))
-            fp, lp = tr.gather(ship, dtype=tr.compute_dtype, probe_ids=self.probe)
+            acks, send = (self._broadcast_to(gens, version, t) if self.rank0 else ({}, None))
+            fp, lp = tr.gather((lambda b: (count(b), send(b))) if send else (lambda b: None),
+                               dtype=tr.compute_dtype, probe_ids=self.probe)
             if self.rank0:
                 placement.get(self.queue.set_version.remote(version, None), self.timeout, "rollout queue")
         if not self.rank0:
@@ -81,7 +86,7 @@ class WeightPusher:
                            engine_dtype=tr.compute_dtype, where=f"generator {wid}", version=version)
         if self.probe is not None:
             self._fps = {v: f for v, f in self._fps.items() if v >= version - 8} | {version: fp}
-        t.update(acks_s=time.perf_counter() - t0, generators=float(len(loads)),
+        t.update(acks_s=time.perf_counter() - t0, generators=float(len(loads)), bytes=float(sent[0]),
                  gen_load_s=max(loads, default=0.0), policy_version=float(version))
         return t
 

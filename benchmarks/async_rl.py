@@ -1,9 +1,9 @@
 """Benchmark: async weight transport and end-to-end rollouts/s, against the machine's own
 all-reduce and against the co-located backend on the same devices.
 
-    python launch/bench_async.py --shape qwen3-0.6b --gpus 2      # 2 GPUs: 1 generates, 1 trains
-    python launch/bench_async.py --shape qwen3-0.6b --gpus 1 --fraction 0.5   # one shared GPU
-    python launch/bench_async.py --shape tiny --gpus 0 --steps 3  # CPU smoke test (gloo)
+    python benchmarks/async_rl.py --shape qwen3-0.6b --gpus 2      # 2 GPUs: 1 generates, 1 trains
+    python benchmarks/async_rl.py --shape qwen3-0.6b --gpus 1 --fraction 0.5   # one shared GPU
+    python benchmarks/async_rl.py --shape tiny --gpus 0 --steps 3  # CPU smoke test (gloo)
 
 Parts (each in a fresh process, with a timeout):
   allreduce   NCCL (gloo on CPU) all-reduce bus bandwidth between two processes, both GPUs
@@ -122,17 +122,12 @@ def part_broadcast(args):
 def _loop(worker, steps):
     """Pull, one optimizer step, sync; record sync timings. Same loss as launch/async.py."""
     import torch
-    from minirl import clipped_policy_loss, collate, get_logprobs
+    from minirl import ppo_loss_fn
     syncs, rollouts_done = [], 0
     for step, batches in enumerate(worker.pull_rollouts(), 1):
         rollouts = [r for b in batches for r in b.compute_advantages()]
-        for i in range(0, len(rollouts), 16):
-            batch = collate(rollouts[i:i + 16])
-            out = worker.model(batch.input_ids, attention_mask=batch.attention_mask)
-            loss = clipped_policy_loss(get_logprobs(out.logits, batch.input_ids), batch.old_logprobs,
-                                       batch.advantages, mask=batch.loss_mask)
-            (loss * batch.num_tokens / max(1, sum(len(r.completion_ids) for r in rollouts))).backward()
-        worker.optimizer.step(); worker.optimizer.zero_grad()
+        worker.trainer.forward_backward(rollouts, ppo_loss_fn(clip_high=0.28))
+        worker.trainer.optim_step()
         syncs.append(worker.sync_weights())
         rollouts_done += len(rollouts)
         if step == 1:                            # steady state: from the end of step 1
@@ -146,8 +141,8 @@ def _loop(worker, steps):
 
 def part_async(args, model, transport):
     import ray
+    from actors.server import RolloutServer
     from actors.training import start_trainers
-    from minirl.async_rl import RolloutServer
     from minirl.tasks import get_task
     gpus = args.gpus
     ray.init(address="local", num_cpus=8, num_gpus=gpus, include_dashboard=False, namespace="minirl",
@@ -168,11 +163,10 @@ def part_async(args, model, transport):
     srv.run(block=False)
     out = ray.get(trainer.run.remote(_loop, args.steps), timeout=args.timeout)
     srv.wait(timeout_s=120)
-    keys = ["bytes", "put_s", "group_s", "broadcast_s", "acks_s", "gen_load_s", "sync_s"]
+    keys = ["bytes", "group_s", "acks_s", "gen_load_s", "sync_s"]
     later = out["syncs"][1:] or out["syncs"]        # the first collective sync builds the group
     med = {k: statistics.median(s[k] for s in later) for k in keys if k in later[0]}
-    move_s = med.get("broadcast_s", med.get("put_s", 0) + med.get("acks_s", 0))
-    med["GBps"] = med["bytes"] / move_s / 1e9 if move_s else None
+    med["GBps_whole_sync"] = med["bytes"] / med["sync_s"] / 1e9 if med.get("sync_s") else None
     res = {"transport": transport, "sync_median": med, "first_sync": out["syncs"][0],
            "rollouts_per_s": out["steady_rollouts_per_s"], "queue": out["queue"], "server": srv.stats}
     srv.shutdown(remove_queue=True)
@@ -185,7 +179,7 @@ def _colocated_job(model, args_list):
     spec = importlib.util.spec_from_file_location("colocated_launch", str(ROOT / "launch/colocated.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    args = mod.parse_args(args_list + ["--model", model])
+    args = mod.common.parse_args(mod.__doc__, "runs/colocated", args_list + ["--model", model])
     mod.run(args)
     return True
 
@@ -197,16 +191,16 @@ def part_colocated(args, model):
     ray.init(address="local", num_cpus=8, num_gpus=args.gpus, include_dashboard=False, log_to_driver=False)
     run_dir = Path(args.work) / "colocated"
     opts = ["--steps", str(args.steps), "--prompts", str(args.prompts // ranks), "--group-size",
-            str(args.group_size), "--max-tokens", str(args.max_tokens), "--epochs", "1",
-            "--micro-batch", "16", "--lr", "1e-6", "--backends", "", "--run-dir", str(run_dir)]
+            str(args.group_size), "--max-tokens", str(args.max_tokens), "--lr", "1e-6", "--backends", "",
+            "--run-dir", str(run_dir)]
     bundle = {"CPU": 1, **({"GPU": 1} if args.gpus else {})}
     run_spmd(_colocated_job, model, opts, num_workers=ranks, bundle=bundle, timeout_s=args.timeout)
     ray.shutdown()
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     steady = rows[1:]
-    step_s = statistics.median(r["time/generate"] + r["time/train"] for r in steady)
+    step_s = statistics.median(r["time/rollouts"] + r["time/train"] for r in steady)
     parts = {k: statistics.median(r[k] for r in steady if k in r)
-             for k in steady[0] if k.startswith("switch/")}
+             for k in steady[0] if k.startswith("sync/")}
     return {"ranks": ranks, "rollouts_per_s": args.prompts * args.group_size / step_s,
             "step_s": step_s, "switch_median": parts}
 
@@ -214,7 +208,8 @@ def part_colocated(args, model):
 # ---- driver ---------------------------------------------------------------------------------------
 
 def child(part, args):
-    from minirl.tiny import build_random_model
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from models import build_random_model
     model = str(Path(args.work) / f"model-{args.shape}")
     if not Path(model, "config.json").exists():
         import torch
@@ -290,10 +285,8 @@ def markdown(doc):
         a = P.get(f"async/{t}", {})
         if "sync_median" in a:
             m = a["sync_median"]
-            frac = (f" = {m['GBps'] / ar['busbw_GBps']:.0%} of all-reduce" if m.get("GBps") and "busbw_GBps" in ar
-                    else "")
-            lines.append(f"- async {t}: {m['bytes'] / 2**20:.0f} MiB per sync, whole sync "
-                         f"{m['sync_s']:.3f} s, transfer {m['GBps'] or 0:.2f} GB/s{frac}; "
+            lines.append(f"- async {t}: {m['bytes'] / 2**20:.0f} MiB per sync, whole verified sync "
+                         f"{m['sync_s']:.3f} s ({m['GBps_whole_sync'] or 0:.2f} GB/s); "
                          f"{a['rollouts_per_s']:.1f} rollouts/s")
         elif a:
             lines.append(f"- async {t}: error")
