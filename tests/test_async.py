@@ -132,3 +132,40 @@ def test_wrong_queue_name_and_wrong_model(ray_local, tiny_model, tmp_path):
     with pytest.raises(ValueError, match="serves model"):
         TrainWorker(str(other), "q-model")
     ray.kill(ray.get_actor("q-model", namespace="minirl"))
+
+
+@ray.remote(num_cpus=0)
+class _LyingGenerator:
+    """A generator that claims a load it did not make (changed=False), or whose engine answers
+    the probe with log-probs of other weights: the trainer's check must refuse both."""
+
+    def __init__(self, changed):
+        self.changed = changed
+
+    def load_from_store(self, version, refs, probe_ids=None):
+        return {"load_s": 0.0, "version": version, "from_version": 0, "changed": self.changed,
+                "probe_logprobs": [-1.0] * (len(probe_ids) - 1)}
+
+
+@pytest.mark.parametrize("changed, msg", [(False, "changed nothing in generator"), (True, "differ")])
+def test_async_sync_is_verified(ray_local, tiny_model, changed, msg):
+    from actors.queue import create_queue
+    from minirl import ppo_loss_fn
+    from minirl.trainer import model_identity
+    from minirl.weights import SyncError
+    name = f"q-verify-{changed}"
+    q = create_queue(name, max_batches=4, model_id=model_identity(tiny_model), detached=False)
+    worker = TrainWorker(tiny_model, name, lr=1e-3)
+    ray.get(q.register_worker.remote("gen-liar", _LyingGenerator.remote(changed)), timeout=60)
+    rs = [r for b in _rollout_batches(worker) for r in b]
+    worker.trainer.forward_backward(rs, ppo_loss_fn(entropy=False))
+    worker.trainer.optim_step()
+    with pytest.raises(SyncError, match=msg):
+        worker.sync_weights()
+    ray.kill(q)
+
+
+def _rollout_batches(worker):
+    from minirl import Rollout, RolloutBatch
+    return [RolloutBatch([Rollout(prompt_ids=[5, 6, 7], completion_ids=[8, 9], sampling_logprobs=[-1.0, -2.0],
+                                  reward=0.0, advantage=a) for a in (1.0, -1.0)], uid=0)]
