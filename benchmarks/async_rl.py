@@ -176,6 +176,7 @@ def part_async(args, model, transport):
 
 def _colocated_job(model, args_list):
     import importlib.util
+    sys.path.insert(0, str(ROOT / "launch"))              # for its `import common`
     spec = importlib.util.spec_from_file_location("colocated_launch", str(ROOT / "launch/colocated.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

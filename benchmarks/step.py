@@ -71,6 +71,7 @@ class MemorySampler:
 
 def run_minirl(args, model: str) -> dict:
     import importlib.util
+    sys.path.insert(0, str(ROOT / "launch"))              # for its `import common`
     spec = importlib.util.spec_from_file_location("colocated", ROOT / "launch" / "colocated.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -7,17 +7,13 @@
 The training block and the command line are launch/common.py's, shared by both loops: only
 where rollouts come from differs (`diff launch/colocated.py launch/async.py`). Default: a tiny
 random Qwen3 and the built-in `succ` task ("7+1=" -> "8"), where a random model scores ~1/64.
-Writes RUN_DIR/metrics.jsonl, TensorBoard logs and reward_curve.png. Hardware: CPU, or GPUs.
+Writes RUN_DIR/metrics.jsonl, TensorBoard logs and reward_curve.png. Hardware: CPU, GPU pools.
 """
 
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-from actors.training import TrainWorker  # noqa: E402
+import common
+from actors.training import TrainWorker
 
 
 def train(args, worker: TrainWorker, log, ckpt=None, start=1):
@@ -28,9 +24,7 @@ def train(args, worker: TrainWorker, log, ckpt=None, start=1):
         metrics = common.train_step(worker.trainer, batches, args, step)   # the loss and the metrics
         worker.sync_weights()                                   # push weights to the generators
         t3 = time.perf_counter()
-        log(step, {**metrics, "policy_version": worker.policy_version,
-                   "time/rollouts": t2 - t1, "time/train": t3 - t2,
-                   **{f"sync/{k}": v for k, v in worker.timings.items()}})
+        log(step, common.with_timings(metrics, worker, t2 - t1, t3 - t2))
         if ckpt is not None and step % args.save_every == 0:
             worker.save_checkpoint(ckpt, step)
         t1 = time.perf_counter()

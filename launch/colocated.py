@@ -10,23 +10,20 @@ random Qwen3 and the built-in `succ` task ("7+1=" -> "8"), where a random model 
 Writes RUN_DIR/metrics.jsonl, TensorBoard logs and reward_curve.png. Hardware: CPU, or GPUs.
 """
 
-import sys
 import time
-from pathlib import Path
 
 from vllm import SamplingParams
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-from minirl import WeightManager, parse_vllm_outputs  # noqa: E402
-from minirl.tasks import get_task  # noqa: E402
+import common
+from minirl import WeightManager, parse_vllm_outputs
+from minirl.tasks import get_task
 
 
 def train(args, wm: WeightManager, log, ckpt=None, start=1):
     """The loop: generate with the latest weights, score, train. One screen, user code."""
-    task, t1 = get_task(args.task), time.perf_counter()
+    task = get_task(args.task)
     for step in range(start, args.steps + 1):
+        t1 = time.perf_counter()
         seed = (args.seed * 1000 + step) * 64 + wm.rank.rank    # prompts and samples depend on
         prompts, answers = task.sample(args.prompts, seed=seed)  # the step only: exact resume
         sampling = [SamplingParams(n=args.group_size, temperature=1.0, max_tokens=args.max_tokens,
@@ -40,12 +37,9 @@ def train(args, wm: WeightManager, log, ckpt=None, start=1):
         wm.as_trainable()
         metrics = common.train_step(wm.trainer, batches, args, step)   # the loss and the metrics
         t3 = time.perf_counter()
-        log(step, {**metrics, "policy_version": wm.policy_version,
-                   "time/rollouts": t2 - t1, "time/train": t3 - t2,
-                   **{f"sync/{k}": v for k, v in wm.timings.items()}})
+        log(step, common.with_timings(metrics, wm, t2 - t1, t3 - t2))
         if ckpt is not None and step % args.save_every == 0:
             wm.save_checkpoint(ckpt, step)
-        t1 = time.perf_counter()
 
 
 def run(args):

@@ -106,6 +106,13 @@ def train_step(trainer, batches, args, step: int) -> dict:
             "len/prompt": sum(len(r.prompt_ids) for r in rollouts) / len(rollouts)}
 
 
+def with_timings(metrics: dict, owner, rollouts_s: float, train_s: float) -> dict:
+    """The step's metrics plus the policy version, the phases' seconds and the last weight
+    sync's parts (owner: a WeightManager or TrainWorker)."""
+    return {**metrics, "policy_version": owner.policy_version, "time/rollouts": rollouts_s,
+            "time/train": train_s, **{f"sync/{k}": v for k, v in owner.timings.items()}}
+
+
 @contextlib.contextmanager
 def tracked(args, trainer):
     """log(step, metrics): metrics averaged over the ranks, written by rank 0 (metrics.jsonl,

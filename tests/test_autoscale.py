@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from minirl import clipped_policy_loss, collate, get_logprobs
+from minirl import ppo_loss_fn
 from minirl.tasks import get_task
 
 pytestmark = pytest.mark.slow
@@ -250,18 +250,14 @@ def fake_cluster(request):
 # -- helpers --------------------------------------------------------------------------------------
 
 def train_loop(worker):
-    """As in test_async: one optimizer step and one weight sync per pull, until the queue is
+    """One optimizer step (the trainer's verbs) and one weight sync per pull, until the queue is
     finished. Records, per batch, (uid, its policy_version, the replica that made it)."""
     seen = []
     for batches in worker.pull_rollouts():
         seen += [(b.uid, b.policy_version, b.rollouts[0].info.get("worker_id"), worker.policy_version)
                  for b in batches]
-        rollouts = [r for b in batches for r in b.compute_advantages()]
-        batch = collate(rollouts)
-        out = worker.model(batch.input_ids, attention_mask=batch.attention_mask)
-        loss = clipped_policy_loss(get_logprobs(out.logits, batch.input_ids), batch.old_logprobs,
-                                   batch.advantages, mask=batch.loss_mask)
-        worker.optimizer.zero_grad(); loss.backward(); worker.optimizer.step()
+        worker.trainer.forward_backward([r for b in batches for r in b.compute_advantages()], ppo_loss_fn())
+        worker.trainer.optim_step()
         worker.sync_weights()
     return {"seen": seen, "version": worker.policy_version}
 

@@ -14,7 +14,7 @@ import ray
 import torch
 
 from conftest import ROOT, run_py
-from minirl import clipped_policy_loss, collate, get_logprobs
+from minirl import ppo_loss_fn
 from minirl.checkpoint import Checkpointer, CheckpointError, read_state, verify
 from minirl.tasks import get_task
 
@@ -135,12 +135,8 @@ def _loop(worker, ckpt_root, every):
     for batches in worker.pull_rollouts():
         step += 1
         seen += [(b.uid, worker.policy_version - b.policy_version) for b in batches]
-        rollouts = [r for b in batches for r in b.compute_advantages()]
-        batch = collate(rollouts)
-        out = worker.model(batch.input_ids, attention_mask=batch.attention_mask)
-        loss = clipped_policy_loss(get_logprobs(out.logits, batch.input_ids), batch.old_logprobs,
-                                   batch.advantages, mask=batch.loss_mask)
-        worker.optimizer.zero_grad(); loss.backward(); worker.optimizer.step()
+        worker.trainer.forward_backward([r for b in batches for r in b.compute_advantages()], ppo_loss_fn())
+        worker.trainer.optim_step()
         worker.sync_weights()
         if step % every == 0:
             worker.save_checkpoint(ckpt, step)

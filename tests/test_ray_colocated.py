@@ -54,6 +54,8 @@ def test_verbs_from_the_driver(ray_local, tiny_model):
 
 def _spmd_job(run_dir, root):
     import importlib.util
+    import sys
+    sys.path.insert(0, f"{root}/launch")                  # for its `import common`
     spec = importlib.util.spec_from_file_location("colocated_launch", f"{root}/launch/colocated.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

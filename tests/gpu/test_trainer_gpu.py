@@ -20,19 +20,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run tests/gpu on the GPU machine)")]
 
 
-def _rollouts(n=12, seed=0):
-    from minirl import Rollout
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        P, C = 3 + i % 7, 5 + (5 * i) % 40
-        ids = torch.randint(2, 60, (P + C,), generator=g).tolist()
-        out.append(Rollout(prompt_ids=ids[:P], completion_ids=ids[P:], reward=0.0,
-                           sampling_logprobs=(-torch.rand(C, generator=g) * 4).tolist(),
-                           advantage=float(torch.randn(1, generator=g))))
-    return out
-
-
 def _run(trainer, rollouts, budget):
     from minirl import ppo_loss_fn
     trainer.config = dataclasses.replace(trainer.config, micro_batch_tokens=budget)
@@ -49,7 +36,8 @@ def test_varlen_packing_matches_unpacked_and_sdpa(tmp_path):
     varlen = Trainer(model, TrainerConfig(attention="varlen"))
     sdpa = Trainer(model, TrainerConfig(attention="sdpa"))
     assert varlen.model.config._attn_implementation == "minirl_varlen"
-    rs = _rollouts()
+    from test_trainer import _rollouts      # tests/ is on the path (its conftest)
+    rs = _rollouts(12)
     packed, g_packed = _run(varlen, rs, 4096)
     unpacked, g_unpacked = _run(varlen, rs, 1)
     ref, g_ref = _run(sdpa, rs, 4096)
