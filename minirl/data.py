@@ -107,6 +107,10 @@ class RolloutBatch:
         return self.rollouts[i]
 
     @property
+    def num_tokens(self) -> int:       # split_by_tokens balances RolloutBatches by it too
+        return sum(r.num_tokens for r in self.rollouts)
+
+    @property
     def rewards(self) -> list[float]:
         return [r.reward for r in self.rollouts]
 
