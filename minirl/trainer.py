@@ -4,18 +4,14 @@
     metrics = trainer.forward_backward(rollouts, loss_fn)   # gradients of the global token mean
     trainer.optim_step()                                   # clip, refuse non-finite, step
 
-`forward_backward` packs the rollouts into rows of at most `micro_batch_tokens` tokens
-(positions restart per rollout; attention never crosses rollouts: varlen flash attention on
-CUDA, a block-diagonal mask on CPU), computes log-probs only where a token is scored, and
-accumulates the gradient of sum(loss) / num_global_tokens over every micro-batch and rank: the
-token mean of the whole global batch, however the rollouts split. `loss_fn(logprobs, batch,
-logits) -> (per_token_loss, {name: per_token_value})` sees one packed micro-batch
-(minirl.data.PackedBatch: old_logprobs, advantages, seq_index... one entry per scored token).
-
-The trainer also owns the policy version, checkpoints and the full-weight gathering that the
-co-located WeightManager and the async trainer use to move weights to vLLM. One rank per
-process: a single process, one per GPU under torchrun, or one per Ray actor. Precision: bf16
-compute with fp32 master weights and AdamW state on CUDA, fp32 on CPU. Hardware: CPU or GPUs.
+forward_backward packs rollouts into rows of at most micro_batch_tokens tokens (positions restart
+per rollout, attention never crosses rollouts: flash varlen on CUDA, a block-diagonal mask on
+CPU), computes logits only where a token is scored, and accumulates the gradient of sum(loss) /
+num_global_tokens over every micro-batch and rank: the token mean of the whole global batch,
+however the rollouts split. `loss_fn(logprobs, batch, logits) -> (per_token_loss, {name:
+per_token_value})` sees one minirl.data.PackedBatch. The trainer also owns the policy version,
+checkpoints and the full-weight gathering both backends use to move weights to vLLM. One rank
+per process. bf16 compute with fp32 master weights and AdamW state on CUDA, fp32 on CPU.
 """
 
 from __future__ import annotations
@@ -52,8 +48,7 @@ class TrainerConfig:
     micro_batch_tokens: int = 16384
     """Token budget of one packed micro-batch (a longer rollout gets a row of its own)."""
     attention: str = "auto"
-    """"varlen" (torch's flash varlen kernel: CUDA), "sdpa" (a block-diagonal mask), or
-    "auto": varlen on CUDA when torch has it, else sdpa."""
+    """"varlen" (torch's flash varlen kernel, CUDA), "sdpa" (a block-diagonal mask), "auto"."""
     seed: int = 0
     dist_timeout_s: float = 600.0
     """Timeout of every collective in the training process group."""
