@@ -1,18 +1,14 @@
-"""RolloutHub: the bookkeeping of the async backend, as one plain class (no Ray, no threads).
-
-It keeps consistent a pool of prompts that generators lease (`take_prompts`) and give back when
-they die (`release_worker`); a bounded buffer of finished RolloutBatches (one per prompt) that the
-trainer takes (`take_batches`), re-issuing those of a too-old policy; the staleness bound, policy
-version and run's end; and exactly-once accounting: every prompt uid is in one state
+"""RolloutHub: the async backend's bookkeeping, one plain class (no Ray, no threads): a pool of
+prompts generators lease (`take_prompts`) and give back when they die (`release_worker`); a bounded
+buffer of finished RolloutBatches (one per prompt) the trainer takes (`take_batches`), re-issuing
+those of a too-old policy; staleness bound, policy version, run's end; exactly-once accounting:
 
       pending -> leased -> buffered -> delivered
          ^--------'---------'   (worker lost / batch too stale)
 
-and is delivered once, however often it was generated: a batch for a uid already buffered or
-delivered (a restarted worker finishing a prompt twice) is dropped, counted in "duplicates".
-
-actors/queue.py wraps one hub in an async Ray actor and adds the blocking calls. Tests:
-`pytest tests/test_hub.py`. Hardware: CPU (any).
+A batch for a uid already buffered or delivered (a restarted worker finishing a prompt twice) is
+dropped, counted in "duplicates". actors/queue.py wraps a hub in an async Ray actor with blocking
+calls. Tests: `pytest tests/test_hub.py`. Hardware: CPU (any).
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ from minirl.data import RolloutBatch
 @dataclass
 class PromptItem:
     """One prompt to generate a group of completions for."""
-
     uid: Any                # unique per prompt, hashable (a dataset index, say); RolloutBatch.uid repeats it
     prompt: Any             # a str or a list of token ids, passed to the generator as-is
     metadata: Any = None    # whatever the reward function needs (a reference answer, say)
@@ -35,43 +30,34 @@ class PromptItem:
 
 
 class RolloutHub:
-    """Prompt pool + bounded rollout buffer + exactly-once accounting. Not thread-safe: one
-    owner (a test, or the single event loop of the queue actor) calls it."""
+    """Prompt pool + bounded rollout buffer + exactly-once accounting; not thread-safe (one owner)."""
 
     def __init__(self, max_batches: int, *, model_id: str | None = None, name: str = "hub"):
         if int(max_batches) < 1:
             raise ValueError(f"max_batches must be >= 1, got {max_batches}")
         self.max_batches = int(max_batches)
-        self.model_id = model_id
-        self.name = name    # used in error messages (the queue actor passes its Ray name)
+        self.model_id, self.name = model_id, name    # name: for error messages (the queue actor's)
         self._items: dict[Any, PromptItem] = {}          # every uid not yet delivered
         self._pending: OrderedDict[Any, None] = OrderedDict()   # FIFO; front = next out
         self._leases: dict[Any, str] = {}                # uid -> worker_id, in lease order
         self._buffer: OrderedDict[Any, RolloutBatch] = OrderedDict()  # FIFO of finished batches
         self._delivered: set = set()
-        self._closed = False
+        self._closed = self.trainer_done = False   # trainer_done: it synced its last batch (the end)
         self._recycled_stale = self._duplicates = self._version = 0
         self._weights: Any = None
         self._workers: dict[str, Any] = {}
-        # Set by the trainer: generators more versions behind start no new work; older batches
-        # are recycled at take time.
-        self.max_staleness: int | None = None
-        self.trainer_done = False   # the trainer trained and synced its last batch (the run's end)
+        self.max_staleness: int | None = None   # set by the trainer; see take_prompts, take_batches
 
-    def _known(self, uid) -> bool:
-        """Pending, leased, buffered or delivered."""
+    def _known(self, uid) -> bool:     # pending, leased, buffered or delivered
         return uid in self._items or uid in self._delivered
-
-    # -- prompts ---------------------------------------------------------------------------------
 
     def add_prompts(self, items: list[PromptItem], *, skip_known: bool = False) -> int:
         """Append prompts to the pending pool, all or none; returns how many. skip_known skips
         uids the hub already knows (e.g. restored from a checkpoint) instead of refusing them."""
         if self._closed:
             raise ValueError("add_prompts after close_prompts: the prompt pool is closed")
-        items = list(items)
-        if skip_known:
-            items = [it for it in items if not isinstance(it, PromptItem) or not self._known(it.uid)]
+        items = [it for it in items
+                 if not (skip_known and isinstance(it, PromptItem) and self._known(it.uid))]
         seen = set()
         for it in items:
             if not isinstance(it, PromptItem):
@@ -81,9 +67,8 @@ class RolloutHub:
                 raise ValueError(f"duplicate prompt uid {it.uid!r}: uids must be unique over the "
                                  "whole run (delivered ones included)")
             seen.add(it.uid)
-        for it in items:
-            self._items[it.uid] = replace(it)
-            self._pending[it.uid] = None
+        self._items.update((it.uid, replace(it)) for it in items)
+        self._pending.update((it.uid, None) for it in items)
         return len(items)
 
     def snapshot(self) -> dict:
@@ -120,40 +105,32 @@ class RolloutHub:
         if (self._pending and version is not None and self.max_staleness is not None
                 and self._version - version > self.max_staleness):
             return None
-        out = []
-        while self._pending and len(out) < k:
-            uid, _ = self._pending.popitem(last=False)
-            self._leases[uid] = worker_id
-            out.append(replace(self._items[uid]))
-        return out
+        uids = [self._pending.popitem(last=False)[0] for _ in range(min(k, len(self._pending)))]
+        self._leases.update(dict.fromkeys(uids, worker_id))
+        return [replace(self._items[u]) for u in uids]
 
     def release_worker(self, worker_id: str) -> int:
-        """A worker died or was removed: its leased prompts go back to the front of the pending
-        queue (in lease order), each with attempts+1. Returns how many."""
-        uids = [u for u, w in self._leases.items() if w == worker_id]
-        for u in uids:
-            del self._leases[u]
-        self._requeue_front(uids)
-        return len(uids)
+        """A lost worker's leases go back to the pending queue's front (in order, attempts+1); how many."""
+        return self._requeue_front([u for u, w in self._leases.items() if w == worker_id])
 
-    def _requeue_front(self, uids: list) -> None:
+    def _requeue_front(self, uids: list) -> int:
         for u in reversed(uids):
+            self._leases.pop(u, None)
+            self._buffer.pop(u, None)
             self._items[u].attempts += 1
             self._pending[u] = None
             self._pending.move_to_end(u, last=False)
-
-    # -- rollouts --------------------------------------------------------------------------------
+        return len(uids)
 
     def space(self) -> int:
         """Free batch slots (0 when full)."""
         return max(0, self.max_batches - len(self._buffer))
 
     def put_batches(self, worker_id: str, batches: list) -> int:
-        """Buffer finished RolloutBatches (.uid = their PromptItem's; all checked before any is
-        taken); returns how many were accepted. A uid unknown, buffered or delivered is dropped as
-        a duplicate; else the batch is accepted from any worker (first finisher wins), clearing
-        its lease and its pending entry. No space check: the caller waits for space() >= 1, so
-        the buffer may exceed max_batches by at most len(batches) - 1."""
+        """Buffer RolloutBatches (.uid = their PromptItem's; all checked first); returns how many were
+        accepted. A uid unknown, buffered or delivered is a dropped duplicate; else the first finisher
+        wins, clearing lease and pending entry. No space check: callers wait for space() >= 1, so the
+        buffer may exceed max_batches by at most len(batches) - 1."""
         batches = list(batches)
         for b in batches:
             if not isinstance(b, RolloutBatch):
@@ -164,49 +141,39 @@ class RolloutHub:
                 raise ValueError("RolloutBatch.uid is None: set it to the uid of the PromptItem it answers")
             if len(b) == 0:
                 raise ValueError(f"RolloutBatch for uid {b.uid!r} has no rollouts")
-        accepted = 0
+        before = len(self._buffer)
         for b in batches:
-            if b.uid not in self._items or b.uid in self._buffer:
-                self._duplicates += 1
-                continue
-            self._leases.pop(b.uid, None)
-            self._pending.pop(b.uid, None)
-            self._buffer[b.uid] = b
-            accepted += 1
+            if b.uid in self._items and b.uid not in self._buffer:
+                self._leases.pop(b.uid, None)
+                self._pending.pop(b.uid, None)
+                self._buffer[b.uid] = b
+        accepted = len(self._buffer) - before
+        self._duplicates += len(batches) - accepted
         return accepted
 
     def take_batches(self, n: int, min_version: int | None = None, *, partial_at_end: bool = False
                      ) -> list[RolloutBatch] | None:
-        """The oldest n buffered batches, marked delivered (never returned again), or None (taking
-        nothing) if fewer are buffered. First, batches with policy_version < min_version (default:
-        version - max_staleness) are dropped and their prompts re-queued at the front with
-        attempts+1 (stats: recycled_stale). partial_at_end: once prompts are closed and none is
-        pending or leased, return whatever fresh batches remain, possibly [] (the end)."""
+        """The oldest n buffered batches, marked delivered, or None (taking nothing) if fewer. First,
+        those of policy_version < min_version (default version - max_staleness) go back to the front
+        (recycled_stale). partial_at_end: once prompts are closed, none pending or leased, what's left."""
         if not 1 <= n <= self.max_batches:
             raise ValueError(f"take_batches(n={n}) on a hub with max_batches={self.max_batches}: n must be "
                              "in [1, max_batches] (make the queue at least as big as one training step)")
         if min_version is None:
             min_version = 0 if self.max_staleness is None else self._version - self.max_staleness
         stale = [u for u, b in self._buffer.items() if b.policy_version < min_version]
-        for u in stale:
-            del self._buffer[u]
-        self._requeue_front(stale)
-        self._recycled_stale += len(stale)
-        if len(self._buffer) < n:
-            if not (partial_at_end and self._closed and not self._pending and not self._leases):
-                return None
-            n = len(self._buffer)
-        out = [self._buffer.popitem(last=False)[1] for _ in range(n)]
+        self._recycled_stale += self._requeue_front(stale)
+        at_end = partial_at_end and self._closed and not self._pending and not self._leases
+        if len(self._buffer) < n and not at_end:
+            return None
+        out = [self._buffer.popitem(last=False)[1] for _ in range(min(n, len(self._buffer)))]
         for b in out:
             del self._items[b.uid]
             self._delivered.add(b.uid)
         return out
 
-    # -- weights / version / workers -------------------------------------------------------------
-
     def set_version(self, version: int, weights: Any = None) -> None:
-        """Publish the trainer's policy version and, optionally, an opaque handle to its weights
-        (e.g. [object_refs], wrapped so Ray passes them through); weights=None clears the handle."""
+        """Publish the trainer's policy version and an opaque handle to its weights (None clears it)."""
         self._version = int(version)
         self._weights = weights
 
@@ -215,8 +182,7 @@ class RolloutHub:
         return self._version, self._weights
 
     def register_worker(self, worker_id: str, handle: Any = None) -> None:
-        """Record a generator (and a handle to it); a re-registered id (a restarted worker) first
-        gets its leased prompts released."""
+        """Record a generator (and a handle to it); a re-registered id (restarted) first loses its leases."""
         self.release_worker(worker_id)
         self._workers[worker_id] = handle
 
@@ -233,8 +199,6 @@ class RolloutHub:
         if self.model_id is not None and model_id is not None and model_id != self.model_id:
             raise ValueError(f"queue {self.name} serves model {self.model_id} but this worker was "
                              f"started with model {model_id}")
-
-    # -- status ----------------------------------------------------------------------------------
 
     def finished(self) -> bool:
         """Prompts are closed and nothing is pending, leased or buffered."""
