@@ -1,13 +1,12 @@
-"""Moving full weights from the trainer (rank 0) to generation workers, two ways.
+"""Moving full weights from the trainer (rank 0) to generation workers, two ways; CPU or GPU.
 
-- Object store: `pack_bucket` turns a bucket [(name, tensor)] into numpy arrays (bf16 viewed as
-  int16); the trainer `ray.put`s each bucket once, every generator `ray.get`s it (zero-copy from
-  the node's shared memory) and `unpack_bucket`s it onto its device.
-- Collective broadcast: `BroadcastGroup`, a standalone process group (gloo on CPU, NCCL on CUDA,
-  with a timeout) over a TCPStore hosted by the trainer (rank 0; generators 1..), apart from the
-  trainer's FSDP world and each generator's vLLM world. One flat buffer per dtype per bucket.
-
-Pure torch + numpy (no ray import): actors and TrainWorker do the calling. CPU or GPU.
+- Object store: `pack_bucket` makes a bucket [(name, tensor)] numpy arrays (bf16 viewed as int16);
+  the trainer `ray.put`s each bucket once, every generator `ray.get`s it (zero-copy from the node's
+  shared memory) and `unpack_bucket`s it onto its device.
+- Collective broadcast: `BroadcastGroup`, a standalone process group (gloo on CPU, NCCL on CUDA, with
+  a timeout) over a TCPStore hosted by the trainer (rank 0; generators 1..), apart from the trainer's
+  FSDP world and each generator's vLLM world. One flat buffer per dtype per bucket.
+Pure torch + numpy (no ray import): actors and TrainWorker do the calling.
 """
 
 from __future__ import annotations
@@ -27,14 +26,10 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, tor
 
 
 def pack_bucket(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, np.ndarray]]:
-    """[(name, tensor)] -> [(name, dtype, numpy array)] on CPU, for ray.put."""
-    out = []
-    for name, t in bucket:
-        # Always a copy: the bucket may alias FSDP's unsharded storage, which must stay
-        # resizable (a numpy view would pin it) and is freed once the next bucket is gathered.
-        t = t.detach().to("cpu", copy=True).contiguous()
-        out.append((name, str(t.dtype), t.view(_VIEW.get(t.dtype, t.dtype)).numpy()))
-    return out
+    """[(name, tensor)] -> [(name, dtype, numpy array)] on CPU, for ray.put. Always copies: the bucket
+    may alias FSDP's unsharded storage, which must stay resizable (a numpy view would pin it)."""
+    cpu = [(name, t.detach().to("cpu", copy=True).contiguous()) for name, t in bucket]
+    return [(name, str(t.dtype), t.view(_VIEW.get(t.dtype, t.dtype)).numpy()) for name, t in cpu]
 
 
 def unpack_bucket(packed, device=None) -> list[tuple[str, torch.Tensor]]:
@@ -42,7 +37,7 @@ def unpack_bucket(packed, device=None) -> list[tuple[str, torch.Tensor]]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)      # "array is not writable": we only read
         tensors = [(name, torch.from_numpy(arr).view(_DTYPES[dtype])) for name, dtype, arr in packed]
-    return [(name, t.to(device) if device is not None else t) for name, t in tensors]
+    return [(name, t.to(device)) for name, t in tensors]
 
 
 @dataclass(frozen=True)
@@ -65,19 +60,17 @@ class BucketMeta:
 
 
 class BroadcastGroup:
-    """A standalone process group for weight broadcast: rank 0 sends, all others receive. Every
-    member constructs it with the same host/port/prefix/world_size at about the same time (rank 0
-    hosts the TCPStore); a new membership uses a new prefix."""
+    """A standalone process group for weight broadcast: rank 0 sends, all others receive. Every member
+    builds it with the same host/port/prefix/world_size at about the same time (rank 0 hosts the
+    TCPStore); a new membership uses a new prefix."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, *, prefix: str,
                  device: torch.device, timeout_s: float = 300.0, store=None):
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         timeout = timedelta(seconds=timeout_s)
-        if store is None:
-            store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout,
-                                  wait_for_workers=False)
-        self.store = store
-        pstore = dist.PrefixStore(prefix, store)
+        self.store = store if store is not None else dist.TCPStore(
+            host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False)
+        pstore = dist.PrefixStore(prefix, self.store)
         if self.device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
@@ -86,18 +79,13 @@ class BroadcastGroup:
             self.pg = dist.ProcessGroupGloo(pstore, rank, world_size, timeout)
 
     def _bcast(self, t: torch.Tensor) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self.pg.broadcast([t], opts).wait()
+        self.pg.broadcast([t], dist.BroadcastOptions()).wait()    # rootRank defaults to 0
 
     def send(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
         """Rank 0: broadcast a bucket (one flat buffer per dtype). Returns bytes sent."""
-        sent = 0
-        for dtype, _ in BucketMeta.of(bucket).groups:
-            flat = torch.cat([t.reshape(-1).to(self.device) for _, t in bucket if str(t.dtype) == dtype])
-            self._bcast(flat)
-            sent += flat.numel() * flat.element_size()
-        return sent
+        for dt, _ in BucketMeta.of(bucket).groups:
+            self._bcast(torch.cat([t.reshape(-1).to(self.device) for _, t in bucket if str(t.dtype) == dt]))
+        return sum(t.numel() * t.element_size() for _, t in bucket)
 
     def recv(self, meta: BucketMeta) -> list[tuple[str, torch.Tensor]]:
         """Ranks > 0: receive one bucket described by `meta`."""
@@ -110,6 +98,5 @@ class BroadcastGroup:
         return out
 
     def close(self) -> None:
-        if hasattr(self.pg, "shutdown"):
-            with contextlib.suppress(Exception):   # best effort on a group being torn down
-                self.pg.shutdown()
+        with contextlib.suppress(Exception):   # best effort on a group being torn down (or no shutdown)
+            self.pg.shutdown()
