@@ -1,8 +1,7 @@
-"""torch.distributed set-up shared by every minirl process that trains (CPU or CUDA).
+"""torch.distributed set-up for every minirl process that trains (CPU or CUDA): `init_distributed()`.
 
-Device and backend come from what the process really has (torch.cuda.is_available()), never from
-Ray's GPU ids: NCCL (+gloo for CPU tensors) on CUDA, gloo on CPU. Without torchrun or Ray a process
-gets a one-rank world on a free local port. Every group has a timeout. Use: `init_distributed()`.
+Device and backend follow what the process has (torch.cuda.is_available()), never Ray's GPU ids:
+NCCL (+gloo for CPU tensors) on CUDA, else gloo; each group has a timeout. Alone: a one-rank world.
 """
 
 from __future__ import annotations
@@ -33,9 +32,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def pick_device(local_rank: int) -> torch.device:
     """cuda:<local_rank mod visible GPUs> when CUDA works in this process, else cpu."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    return torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
 
 
 def init_distributed(timeout_s: float = 600.0) -> Rank:
@@ -45,15 +43,13 @@ def init_distributed(timeout_s: float = 600.0) -> Rank:
     if "RANK" not in os.environ and not dist.is_initialized():
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
-    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
-    local_rank = int(os.environ["LOCAL_RANK"])
+    local_rank = int(os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0")))
     device = pick_device(local_rank)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
     created = not dist.is_initialized()
     if created:
-        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
-                                device_id=device if cuda else None)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
+                                timeout=timedelta(seconds=timeout_s), device_id=device if cuda else None)
     return Rank(dist.get_rank(), dist.get_world_size(), local_rank, device, created)
