@@ -1,7 +1,6 @@
-"""Trainer-side weight gathering: FSDP2 shards -> full tensors in HF names, bucket by bucket.
-
-Every rank calls `full_weight_buckets` in the same order (each FSDP unit's unshard() is an
-all-gather), so every rank ends up holding each full bucket, in turn, never the whole model.
+"""Trainer-side weight gathering: FSDP2 shards -> full tensors in HF names, bucket by bucket, and
+the checks that a sync arrived. Every rank calls `full_weight_buckets` in the same order (each
+unit's unshard() is an all-gather) and holds each full bucket in turn, never the whole model.
 Plain (unsharded) modules work too. Pure torch; CPU or GPU.
 """
 
@@ -25,17 +24,15 @@ def hf_name(name: str) -> str:
 
 
 def reshard(model: nn.Module) -> None:
-    """Return every FSDP2 module to its sharded state (a no-grad forward leaves the root
-    unsharded, with plain tensors where DTensors should be)."""
+    """Reshard every FSDP2 module (a no-grad forward leaves the root unsharded, without DTensors)."""
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
 
 
 def _groups(model: nn.Module, bucket_bytes: int):
-    """[(fsdp_unit or None, [(hf_name, name_in_unit, param)])] in gather order: one group per
-    FSDP unit (each decoder layer, then the root's own parameters), or size-bounded groups for
-    plain modules. Call with the model resharded."""
+    """[(fsdp_unit or None, [(hf_name, name_in_unit, param)])] in gather order: one group per FSDP
+    unit (each layer, then the root's own), or ~bucket_bytes groups for plain modules; resharded."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:
         groups, cur, size = [], [], 0
@@ -48,37 +45,29 @@ def _groups(model: nn.Module, bucket_bytes: int):
         return groups + ([(None, cur)] if cur else [])
     prefix = {id(m): name for name, m in model.named_modules()}
     groups, inner = [], set()
-    for unit in units:
-        if unit is model:
-            continue
+    for unit in [u for u in units if u is not model]:
         params = [(hf_name(f"{prefix[id(unit)]}.{n}"), n, p) for n, p in unit.named_parameters()]
         inner |= {id(p) for *_, p in params}
         groups.append((unit, params))
     own = [(hf_name(n), n, p) for n, p in model.named_parameters() if id(p) not in inner]
-    if own:
-        groups.append((model if isinstance(model, FSDPModule) else None, own))
-    return groups
+    return groups + ([(model if isinstance(model, FSDPModule) else None, own)] if own else [])
 
 
 def bucket_layout(model: nn.Module, *, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20
                   ) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
-    """The (name, full shape, dtype) of every tensor full_weight_buckets will yield, bucket by
-    bucket, without gathering anything (receivers of a broadcast allocate from it)."""
+    """full_weight_buckets' (name, full shape, dtype) per bucket, gathering nothing (for receivers)."""
     reshard(model)
     return [[(h, tuple(p.shape), dtype or p.dtype) for h, _, p in params]
             for _, params in _groups(model, bucket_bytes)]
 
 
 @torch.no_grad()
-def full_weight_buckets(model: nn.Module, *, dtype: torch.dtype | None = None,
-                        bucket_bytes: int = 512 << 20, device: torch.device | None = None
-                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yield [(hf_name, full tensor)] buckets covering every parameter once, cast to `dtype` and
-    moved to `device` when given. FSDP2: one bucket per unit (each decoder layer, then the root's
-    own parameters) via its unshard(), one all-gather in the param dtype, one unit unsharded at a
-    time; collective (every rank, every bucket consumed). Plain modules: ~bucket_bytes buckets.
-    A bucket's tensors may alias storage freed when the next one is asked for: copy what you keep.
-    """
+def full_weight_buckets(model: nn.Module, *, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20,
+                        device: torch.device | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield [(hf_name, full tensor)] buckets covering every parameter once, cast to `dtype` and on
+    `device` when given. FSDP2: one bucket per unit via its unshard() (an all-gather in the param
+    dtype), one unit at a time; collective: every rank consumes every bucket. Plain modules:
+    ~bucket_bytes buckets. Tensors may alias storage freed at the next bucket: copy what you keep."""
     reshard(model)
     yield from _gather(_groups(model, bucket_bytes), _caster(dtype, device))
 
@@ -87,11 +76,10 @@ def full_weight_buckets(model: nn.Module, *, dtype: torch.dtype | None = None,
 def gather_during_forward(model: nn.Module, forward, on_bucket, *, dtype: torch.dtype | None = None,
                           bucket_bytes: int = 512 << 20):
     """Run `forward()` (a no-grad forward of `model`), handing each FSDP unit's full parameters to
-    `on_bucket([(hf_name, tensor)])` while the forward has it unsharded: one unshard pass serves
-    forward and weight sync. Units it did not run, and plain modules, are gathered after it.
-    Every parameter goes to on_bucket once, in full_weight_buckets' buckets (forward order first;
-    tensors may alias storage freed after on_bucket returns). Returns forward()'s result, the
-    model resharded. Collective for FSDP2, like full_weight_buckets."""
+    `on_bucket([(hf_name, tensor)])` while the forward has it unsharded (one unshard pass for both);
+    units it skipped, and plain modules, follow. Every parameter goes once, in full_weight_buckets'
+    buckets (tensors may alias storage freed after on_bucket returns). Returns forward()'s result,
+    the model resharded. Collective for FSDP2."""
     cast = _caster(dtype)
     reshard(model)
     groups = _groups(model, bucket_bytes)
@@ -139,10 +127,9 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def fingerprint(tensors) -> torch.Tensor:
-    """A checksum of the tensors' contents, as an int64 scalar on their device: each tensor's
-    elements in order, read as 64-bit words (the last few as integers of their own width),
-    summed mod 2**64. Changing any one element changes it; the layout in memory does not.
-    One integer reduction per tensor; contiguous, 8-byte aligned tensors are not copied."""
+    """A checksum of the tensors' contents, an int64 scalar on their device: the elements read as
+    64-bit words (the last few as integers of their own width), summed mod 2**64. Any one changed
+    element changes it, memory layout does not; contiguous, 8-byte aligned tensors are not copied."""
     sums = [_content_sum(t) for t in tensors]
     return torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.int64)
 
@@ -153,8 +140,7 @@ def _content_sum(t: torch.Tensor) -> torch.Tensor:
     aligned = flat.storage_offset() % per_word == 0    # words must start 8-byte aligned
     if aligned and flat.numel() % per_word == 0:       # nearly every weight: one reduction
         return flat.view(torch.int64).sum()
-    if not aligned:
-        flat = flat.clone()
+    flat = flat if aligned else flat.clone()
     n = flat.numel() - flat.numel() % per_word
     tail = flat[n:].view(_BITS[flat.element_size()]).sum(dtype=torch.int64)
     return flat[:n].view(torch.int64).sum() + tail
@@ -164,17 +150,12 @@ def bucket_fingerprint(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     return fingerprint(t for _, t in bucket)
 
 
-# ----------------------------------------------------------------------------------------------
-# Verifying a sync: the same check for the co-located engine and for async generators
-
-
 class SyncError(RuntimeError):
-    """A weight sync did not put the trainer's weights into the engine."""
+    """A weight sync (co-located engine or async generator) did not bring the trainer's weights."""
 
 
 def probe_gap(trainer_lp, engine_lp) -> float:
-    """Mean |trainer - engine| log-prob over the probe's tokens; inf when either is not finite
-    (a NaN never passes a tolerance)."""
+    """Mean |trainer - engine| log-prob over the probe's tokens; inf if not finite (NaN never passes)."""
     gap = (torch.as_tensor(engine_lp, dtype=torch.float64) -
            torch.as_tensor(trainer_lp, dtype=torch.float64)).abs().mean().item()
     return gap if math.isfinite(gap) else math.inf
@@ -190,6 +171,5 @@ def check_sync(gap: float, stuck: bool, *, tolerance: float | None, engine_dtype
         raise SyncError(f"weight sync changed nothing in {where} although the trainer's weights "
                         f"changed (policy version {version})")
     if not gap <= tolerance:
-        raise SyncError(f"after sync, {where} and the trainer's log-probs of the probe differ by "
-                        f"{gap:.4f} on average (tolerance {tolerance}): {where} does not hold the "
-                        f"trainer's weights (policy version {version})")
+        raise SyncError(f"after sync, {where} and the trainer's log-probs of the probe differ by {gap:.4f} "
+                        f"(tolerance {tolerance}): {where} lacks the trainer's weights (version {version})")
