@@ -1,22 +1,17 @@
-"""The math of policy-gradient RL for LLMs, as plain torch functions.
+"""The math of policy-gradient RL for LLMs as plain torch functions: no ray or vllm, CPU or GPU.
 
-No ray or vllm import: every function runs on CPU or GPU tensors and is tested against numbers
-worked out by hand (`python -m pytest tests/test_core.py -q`). Shapes: B rollouts, T tokens, V vocab.
-
-Conventions
-- Log-probs are natural-log probabilities of the *realised* tokens.
-- `get_logprobs(logits, token_ids)` returns one value per position t >= 1: the log-prob of token t
-  given tokens < t, read from logits at t-1. Its output is one shorter than `token_ids`.
-- Masks are 1 for tokens that count (completion tokens the policy chose) and 0 elsewhere.
+Tested against hand-worked numbers (`python -m pytest tests/test_core.py -q`). B rollouts, T tokens,
+V vocab. Log-probs are natural-log probabilities of the *realised* tokens: get_logprobs(logits,
+token_ids) has one per position t >= 1 (token t given tokens < t, read from logits at t-1), so it is
+one shorter than token_ids. Masks are 1 for tokens that count (completion tokens the policy chose).
 """
 
 from __future__ import annotations
 
 import torch
 
+
 # ------------------------------------------------------------------------------------ advantages
-
-
 def compute_advantages(rewards, group_size: int, *, normalize_std: bool = False,
                        eps: float = 1e-6) -> torch.Tensor:
     """GRPO advantages A_i = r_i - mean(group), optionally / (population std(group) + eps) (Dr.GRPO
@@ -25,8 +20,8 @@ def compute_advantages(rewards, group_size: int, *, normalize_std: bool = False,
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if r.numel() % group_size:
-        raise ValueError(f"{r.numel()} rewards do not split into groups of {group_size}: pass all "
-                         f"group_size samples of every prompt (len(rewards) % group_size == 0)")
+        raise ValueError(f"{r.numel()} rewards do not split into groups of group_size={group_size}: "
+                         "pass whole groups")
     if not torch.isfinite(r).all():
         raise ValueError(f"rewards contain NaN or inf: {r.tolist()}")
     g = r.view(-1, group_size)                                   # (n, G)
@@ -35,19 +30,16 @@ def compute_advantages(rewards, group_size: int, *, normalize_std: bool = False,
         adv = adv / (g.std(dim=1, unbiased=False, keepdim=True) + eps)
     return adv.flatten()
 
-# ------------------------------------------------------------ log-probs of realised tokens, lean
 
+# ------------------------------------------------------------ log-probs of realised tokens, lean
 _BLOCK_BYTES = 128 << 20    # the most fp32 (chunk, V) work done at once
 
 
 def _chunk_tokens(n: int, vocab: int, chunk_size: int | None) -> int:
-    """Rows per chunk: chunk_size if given, else at most n/8 rows and a _BLOCK_BYTES fp32 block,
-    so the fp32 work stays under a quarter of bf16 logits' own size whatever their shape."""
-    if chunk_size is not None:
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        return chunk_size
-    return max(1, min(n // 8, _BLOCK_BYTES // (4 * vocab)))
+    """Rows per chunk: chunk_size, else <= n/8 rows and <= _BLOCK_BYTES of fp32 (< 1/4 of bf16 logits)."""
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return chunk_size if chunk_size is not None else max(1, min(n // 8, _BLOCK_BYTES // (4 * vocab)))
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -58,10 +50,9 @@ class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, temperature, chunk):
         acc = torch.promote_types(logits.dtype, torch.float32)   # fp32 (fp64 stays fp64)
-        n = logits.shape[0]
-        out = torch.empty(n, dtype=acc, device=logits.device)
+        out = torch.empty(len(logits), dtype=acc, device=logits.device)
         lse = torch.empty_like(out)
-        for s in range(0, n, chunk):
+        for s in range(0, len(logits), chunk):
             x = logits[s:s + chunk].to(acc) / temperature         # (c, V), one block
             lse[s:s + chunk] = torch.logsumexp(x, dim=-1)
             out[s:s + chunk] = x.gather(-1, targets[s:s + chunk, None]).squeeze(-1)
@@ -92,11 +83,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
         raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)}: pass "
                          "(N, V) logits and the (N,) token ids they score")
     if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 (greedy log-probs are log_softmax(logits), "
-                         f"i.e. temperature=1.0), got {temperature}")
-    chunk = _chunk_tokens(logits.shape[0], logits.shape[1], chunk_size)
-    targets = targets.to(device=logits.device, dtype=torch.long)
-    return _TokenLogprobs.apply(logits, targets, float(temperature), chunk)
+        raise ValueError(f"temperature must be > 0 (1.0 for plain log_softmax), got {temperature}")
+    return _TokenLogprobs.apply(logits, targets.to(device=logits.device, dtype=torch.long),
+                                float(temperature), _chunk_tokens(*logits.shape, chunk_size))
 
 
 def get_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *, temperature: float = 1.0,
@@ -104,18 +93,12 @@ def get_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *, temperature: 
     """out[..., t-1] = log p(token_ids[t] | < t) for logits (B, T, V) or (T, V) of token_ids (B, T)
     or (T,): T-1 entries, the completion's (C tokens after P) are out[:, P-1:]. temperature divides
     the logits first, as vLLM's logprobs_mode="processed_logprobs" (minirl's default) does."""
-    squeeze = logits.dim() == 2
-    if squeeze:
-        logits, token_ids = logits[None], token_ids[None]
-    if logits.shape[:2] != token_ids.shape:
+    if logits.dim() not in (2, 3) or logits.shape[:-1] != token_ids.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and token_ids {tuple(token_ids.shape)} "
                          "disagree: pass the logits the model returned for exactly these token_ids")
-    B, T, V = logits.shape
-    ids = token_ids.to(device=logits.device, dtype=torch.long)
-    targets = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)   # last row: unused
-    out = token_logprobs(logits.reshape(B * T, V), targets.reshape(-1), temperature=temperature,
-                         chunk_size=chunk_size).view(B, T)[:, :-1]
-    return out[0] if squeeze else out
+    targets = token_ids.roll(-1, dims=-1).reshape(-1)     # token t+1 at t; the last one's is unused
+    return token_logprobs(logits.reshape(-1, logits.shape[-1]), targets, temperature=temperature,
+                          chunk_size=chunk_size).view(token_ids.shape)[..., :-1]
 
 
 def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0,
@@ -123,28 +106,25 @@ def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0,
     """Entropy (nats) of softmax(logits / T) at every position: (..., T, V) -> (..., T), fp32.
     Chunked; differentiable (for an entropy bonus), so wrap it in no_grad() when only logging."""
     flat = logits.reshape(-1, logits.shape[-1])
-    chunk = _chunk_tokens(flat.shape[0], flat.shape[1], chunk_size)
+    chunk = _chunk_tokens(*flat.shape, chunk_size)
     parts = []
     for s in range(0, flat.shape[0], chunk):
         logp = torch.log_softmax(flat[s:s + chunk].float() / temperature, dim=-1)   # (c, V)
         p = logp.exp()
-        # 0 * log 0 = 0: a -inf logit (masked token) must not turn the entropy into NaN.
-        parts.append(-(p * logp.masked_fill(p == 0, 0.0)).sum(-1))
+        parts.append(-(p * logp.masked_fill(p == 0, 0.0)).sum(-1))    # 0 log 0 = 0: -inf logits, no NaN
     return torch.cat(parts).view(logits.shape[:-1])
 
-# ------------------------------------------------------------------------ masks and aggregation
 
+# ------------------------------------------------------------------------ masks and aggregation
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor | None = None, dim=None) -> torch.Tensor:
     """Mean of x over entries where mask is 1 (all of x when mask is None); 0 where nothing counts."""
     if mask is None:
-        return x.mean() if dim is None else x.mean(dim)
+        return x.mean(dim=dim)
     mask = mask.to(x.dtype)
-    num = (x * mask).sum() if dim is None else (x * mask).sum(dim)
-    den = mask.sum() if dim is None else mask.sum(dim)
-    return num / den.clamp(min=1)
+    return (x * mask).sum(dim=dim) / mask.sum(dim=dim).clamp(min=1)
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor | None = None, mode: str = "token-mean",
@@ -153,37 +133,39 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor | None = None, mode: s
     tokens (DAPO; long answers weigh more). "seq-mean-token-mean": per sequence, then over sequences
     (GRPO). "seq-mean-token-sum-norm": each sequence's sum / max_tokens (default T), then over
     sequences (Dr.GRPO: no length bias from the divisor)."""
-    if per_token.dim() == 1:
-        per_token = per_token[None]
-        mask = None if mask is None else mask[None]
-    mask = torch.ones_like(per_token) if mask is None else mask.to(per_token.dtype)
+    mask = torch.ones_like(per_token) if mask is None else mask.to(per_token)
+    masked = per_token * mask
     if mode == "token-mean":
-        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+        return masked.sum() / mask.sum().clamp(min=1)
     if mode == "seq-mean-token-mean":
-        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
     if mode == "seq-mean-token-sum-norm":
-        norm = per_token.shape[-1] if max_tokens is None else max_tokens
-        return ((per_token * mask).sum(-1) / norm).mean()
+        return (masked.sum(-1) / (per_token.shape[-1] if max_tokens is None else max_tokens)).mean()
     raise ValueError(f"unknown aggregation {mode!r}; choose one of {AGGREGATIONS}")
 
 
-def _align(new_lp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Right-align new_lp to ref along the last dim (completion tokens are the last ones)."""
+def _align(new_lp: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new_lp cut to ref's length from the right, ref), fp32 on new_lp's device: completions come last."""
     n, m = new_lp.shape[-1], ref.shape[-1]
     if n < m:
-        raise ValueError(f"new log-probs have {n} positions but old log-probs {m}: new_lp must cover "
-                         "at least the scored tokens (pass get_logprobs(logits, token_ids) of the "
-                         "whole prompt + completion)")
-    return new_lp if n == m else new_lp[..., n - m:]
+        raise ValueError(f"new log-probs have {n} positions but old log-probs {m}: new_lp must cover at "
+                         "least the scored tokens (pass get_logprobs of the whole prompt + completion)")
+    new = (new_lp if n == m else new_lp[..., n - m:]).float()
+    return new, ref.to(new)
 
 
 def _as_adv(adv, like: torch.Tensor) -> torch.Tensor:
     a = torch.as_tensor(adv, dtype=torch.float32, device=like.device)
-    if a.dim() == 1 and like.dim() == 2:
-        if a.shape[0] != like.shape[0]:
-            raise ValueError(f"{a.shape[0]} advantages for {like.shape[0]} sequences")
-        a = a[:, None]                                            # one advantage per sequence
-    return a
+    per_seq = a.dim() == 1 and like.dim() == 2                    # one advantage per sequence
+    if per_seq and a.shape[0] != like.shape[0]:
+        raise ValueError(f"{a.shape[0]} advantages for {like.shape[0]} sequences")
+    return a[:, None] if per_seq else a
+
+
+def _clipped(ratio: torch.Tensor, adv: torch.Tensor, low: float, high: float | None) -> torch.Tensor:
+    """True where the clip switched the gradient off: ratio out of range on the side A pushes to."""
+    high = low if high is None else high
+    return ((adv > 0) & (ratio > 1 + high)) | ((adv < 0) & (ratio < 1 - low))
 
 
 def clipped_surrogate(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages, *,
@@ -192,11 +174,10 @@ def clipped_surrogate(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, ad
     """Per-token PPO loss -min(r*A, clip(r, 1-clip_low, 1+clip_high)*A), r = exp(new - old), fp32
     shaped like old_logprobs. clip_high defaults to clip_low (DAPO's clip-higher: 0.2 / 0.28);
     dual_clip=c > 1 caps negative-advantage tokens' loss at -c*A (Ye et al. 2020)."""
-    new = _align(new_logprobs, old_logprobs)
-    old = old_logprobs.to(device=new.device, dtype=torch.float32)
+    new, old = _align(new_logprobs, old_logprobs)
     adv = _as_adv(advantages, old)
     ch = clip_low if clip_high is None else clip_high
-    ratio = torch.exp(new.float() - old)
+    ratio = torch.exp(new - old)
     surr = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_low, 1 + ch) * adv)
     if dual_clip is not None:
         if dual_clip <= 1:
@@ -214,8 +195,6 @@ def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, 
     count), so get_logprobs(out.logits, r.token_ids) scores exactly r's completion tokens."""
     per_token = clipped_surrogate(new_logprobs, old_logprobs, advantages, clip_low=clip_low,
                                   clip_high=clip_high, dual_clip=dual_clip)
-    if mask is not None:
-        mask = mask.to(device=per_token.device)
     return aggregate(per_token, mask, aggregation, max_tokens=max_tokens)
 
 
@@ -224,25 +203,21 @@ def ppo_loss_fn(*, clip_low: float = 0.2, clip_high: float | None = 0.28,
     """A loss_fn for Trainer.forward_backward: loss_fn(logprobs (n,), batch, logits (n, V)) ->
     (clipped surrogate (n,), per-token stats {name: (n,)}): clip_frac, approx_kl (k3), ratio
     (pi_theta / pi_sampler: the sampling log-probs are the old policy) and, if `entropy`, entropy."""
-    ch = clip_low if clip_high is None else clip_high
-
     def loss_fn(logprobs, batch, logits):
         old, adv = batch.old_logprobs, batch.advantages                        # (n,), (n,)
-        per_token = clipped_surrogate(logprobs, old, adv, clip_low=clip_low, clip_high=ch,
+        per_token = clipped_surrogate(logprobs, old, adv, clip_low=clip_low, clip_high=clip_high,
                                       dual_clip=dual_clip)
         with torch.no_grad():
             ratio = torch.exp(logprobs.float() - old)
-            clipped = ((adv > 0) & (ratio > 1 + ch)) | ((adv < 0) & (ratio < 1 - clip_low))
-            stats = {"clip_frac": clipped.float(), "approx_kl": kl_k3(old, logprobs.float()),
-                     "ratio": ratio}
+            stats = {"clip_frac": _clipped(ratio, adv, clip_low, clip_high).float(),
+                     "approx_kl": kl_k3(old, logprobs.float()), "ratio": ratio}
             if entropy:
                 stats["entropy"] = entropy_from_logits(logits)
         return per_token, stats
     return loss_fn
 
+
 # ----------------------- KL estimators (Schulman, "Approximating KL divergence"), samples from p
-
-
 def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """k1 = log p - log q: unbiased for KL(p||q), high variance, can be negative. Per token."""
     return logprobs - ref_logprobs
@@ -258,17 +233,15 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     log_ratio = ref_logprobs - logprobs
     return torch.expm1(log_ratio) - log_ratio
 
+
 # -------------------------------------- importance weights, trainer (pi_theta) vs sampler (vLLM)
-
-
 def _log_ratio(train_logprobs, sampling_logprobs, mask, level):
-    # Right-align like clipped_policy_loss / log_ratio_stats: train_logprobs may cover the prompt.
-    lr = (_align(train_logprobs, sampling_logprobs) - sampling_logprobs).float()   # (B, C)
+    """log(pi_train / pi_sampler) per token or summed per sequence; train_logprobs right-aligned."""
+    lr = torch.sub(*_align(train_logprobs, sampling_logprobs))     # (B, C)
     if level == "token":
         return lr
     if level == "sequence":
-        m = torch.ones_like(lr) if mask is None else mask.to(lr.dtype)
-        return (lr * m).sum(-1, keepdim=True).expand_as(lr)       # one weight per sequence
+        return (lr if mask is None else lr * mask.to(lr.dtype)).sum(-1, keepdim=True).expand_as(lr)
     raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
 
 
@@ -289,45 +262,38 @@ def masked_importance_weights(train_logprobs: torch.Tensor, sampling_logprobs: t
     w = torch.exp(_log_ratio(train_logprobs, sampling_logprobs, mask, level))
     return ((w >= low) & (w <= high)).to(torch.float32).detach()
 
+
 # ---------------------------------------------------------------------- statistics worth logging
-
-
 @torch.no_grad()
 def clip_fraction(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages, *,
                   mask: torch.Tensor | None = None, clip_low: float = 0.2,
                   clip_high: float | None = None) -> torch.Tensor:
-    """Fraction of counted tokens whose gradient the clip switched off (ratio outside the trust
-    region on the side the advantage pushes towards)."""
-    new = _align(new_logprobs, old_logprobs).float()
-    old = old_logprobs.to(new)
+    """Fraction of counted tokens whose gradient the clip switched off (ratio out of range on A's side)."""
+    new, old = _align(new_logprobs, old_logprobs)
     adv = _as_adv(advantages, old).expand_as(old)
-    ch = clip_low if clip_high is None else clip_high
-    ratio = torch.exp(new - old)
-    clipped = ((adv > 0) & (ratio > 1 + ch)) | ((adv < 0) & (ratio < 1 - clip_low))
-    return masked_mean(clipped.float(), mask)
+    return masked_mean(_clipped(torch.exp(new - old), adv, clip_low, clip_high).float(), mask)
 
 
 @torch.no_grad()
 def approx_kl(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
               mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean k3 estimate of KL(old || new) over counted tokens (samples come from old)."""
-    new = _align(new_logprobs, old_logprobs).float()
-    return masked_mean(kl_k3(old_logprobs.to(new), new), mask)
+    new, old = _align(new_logprobs, old_logprobs)
+    return masked_mean(kl_k3(old, new), mask)
 
 
 @torch.no_grad()
 def log_ratio_stats(train_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor,
                     mask: torch.Tensor | None = None) -> dict[str, float]:
     """Mismatch between trainer and sampler log-probs: mean/max |diff| and mean ratio."""
-    d = _align(train_logprobs, sampling_logprobs).float() - sampling_logprobs.float()
+    d = torch.sub(*_align(train_logprobs, sampling_logprobs))
     m = torch.ones_like(d) if mask is None else mask.to(d)
-    absd = d.abs() * m
-    return {"logprob_diff_mean": float(absd.sum() / m.sum().clamp(min=1)),
-            "logprob_diff_max": float(absd.max()) if absd.numel() else 0.0,
+    return {"logprob_diff_mean": float(masked_mean(d.abs(), m)),
+            "logprob_diff_max": float((d.abs() * m).max()) if d.numel() else 0.0,
             "ratio_mean": float(masked_mean(torch.exp(d), m))}
 
 
 __all__ = ["compute_advantages", "token_logprobs", "get_logprobs", "entropy_from_logits", "masked_mean",
-           "aggregate", "AGGREGATIONS", "clipped_surrogate", "clipped_policy_loss", "ppo_loss_fn",
-           "kl_k1", "kl_k2", "kl_k3", "truncated_importance_weights", "masked_importance_weights",
-           "clip_fraction", "approx_kl", "log_ratio_stats"]
+           "aggregate", "AGGREGATIONS", "clipped_surrogate", "clipped_policy_loss", "ppo_loss_fn", "kl_k1",
+           "kl_k2", "kl_k3", "truncated_importance_weights", "masked_importance_weights", "clip_fraction",
+           "approx_kl", "log_ratio_stats"]
