@@ -1,18 +1,10 @@
-"""Verifiers as reward functions: math answers, code against tests, and output format.
+"""Verifiers as reward functions (1.0/0.0 or a fraction): math answers (sympy), code against tests
+(run in a child Python under resource limits), output format. `gsm8k_reward` has minirl's reward_fn
+signature; the others take the completion first. CPU, Linux (elsewhere no network namespace).
 
-Every `*_reward` returns 1.0/0.0 or a fraction. `gsm8k_reward(prompt, completion, answer)` has
-minirl's reward_fn signature; the others take the completion first and compose with `combine`:
-
-    from minirl.rewards import code_reward, combine, format_reward, gsm8k_reward
     reward_fn = combine((gsm8k_reward, 1.0), (lambda p, c, *_: format_reward(c, boxed=True), 0.1))
     code_fn = lambda prompt, completion, tests: code_reward(completion, tests)
-
-Math equality uses sympy (exact rationals; symbolic answers at sample points); code runs in a
-child Python under resource limits (`run_code`). CPU only, Linux (elsewhere without the network
-namespace); no downloads. Tests: `python -m pytest tests/test_rewards.py -q`.
 """
-
-from __future__ import annotations
 
 import contextlib
 import json
@@ -29,19 +21,14 @@ from dataclasses import dataclass
 from functools import cache
 
 log = logging.getLogger(__name__)
-
-# ---------------------------------------------------------------------------------------- math
-
 _NUMBER = re.compile(r"-?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)(?:/\d+)?")
 _UNITS = re.compile(r"(?<=\S)(?:\s+[a-zA-Z]{2,}\.?(?:\^\{?\d\}?)?)+\s*$")  # " cm^2", " dollars"
-# All that may reach sympy's parser (it evals): digits, operators, sqrt, pi, one-letter symbols;
-# no 1e9 notation (1e999999999 would be expanded exactly).
+# What may reach sympy's parser (it evals): digits, operators, sqrt, pi, one-letter symbols; no 1e9.
 _SAFE = re.compile(r"(?!.*\d[eE][-+\d])(?:\d|\.(?=\d)|[-+*/()\s]|sqrt|pi|[a-z](?![a-z]))*", re.S)
 
 
 def _group(s: str, i: int) -> tuple[str, int] | None:
-    """The `{...}` group (nested braces) or single character at s[i], and the index after it;
-    None when there is none or its braces do not close."""
+    """The `{...}` group (nested braces) or character at s[i] and the index after it; None if unclosed."""
     if i < len(s) and s[i] != "{":
         return s[i], i + 1
     depth = 0
@@ -54,17 +41,14 @@ def _group(s: str, i: int) -> tuple[str, int] | None:
 
 def _last_boxed(text: str) -> str | None:
     """Contents of the last complete `\\boxed{...}` (or `\\fbox{...}`), nested braces allowed."""
-    for m in reversed(list(re.finditer(r"\\(?:boxed|fbox)\s*\{", text))):
-        if (g := _group(text, m.end() - 1)) is not None:
-            return g[0]
-    return None
+    boxes = reversed(list(re.finditer(r"\\(?:boxed|fbox)\s*\{", text)))
+    return next((g[0] for m in boxes if (g := _group(text, m.end() - 1)) is not None), None)
 
 
 def extract_answer(text: str, *, fallback_last_number: bool = True) -> str | None:
-    """The final answer in `text`, first found of: the contents of the last complete `\\boxed{}`
-    (an unclosed one, e.g. cut off by max_tokens, is skipped); the rest of the line after the
-    last GSM8K `####` (may be ""); if `fallback_last_number`, the last number (`1,000`, `-2.5`,
-    `3/4`). None when there is none. Stripped, not normalized (`math_equal` does that)."""
+    """The final answer in `text`, stripped, not normalized: the last complete `\\boxed{}` (an
+    unclosed one, cut off by max_tokens, is skipped), else the rest of the line after the last
+    `####` (may be ""), else if `fallback_last_number` the last number (`1,000`, `-2.5`, `3/4`)."""
     if (box := _last_boxed(text)) is not None:
         return box.strip()
     if marks := re.findall(r"####[ \t]*([^\n]*)", text):
@@ -75,8 +59,7 @@ def extract_answer(text: str, *, fallback_last_number: bool = True) -> str | Non
 
 
 def _normalize(s: str) -> str:
-    """Drop what does not change the value: `\\text{}` wrappers, `$`, `%`, degrees, spacing
-    macros, a leading `x =`, trailing unit words, thousands separators, a final period."""
+    """Drop `\\text{}` wrappers, `$`, `%`, degrees, spacing, `x =`, units, thousands commas, a final `.`."""
     s = re.sub(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}", r" \1", s)
     s = re.sub(r"\\left|\\right|\\displaystyle|\\[,;:! $%]|[$%°]|\^\s*\{?\\circ\}?", " ", s)
     s = _UNITS.sub("", s.replace("−", "-").split("=")[-1].strip())
@@ -84,14 +67,11 @@ def _normalize(s: str) -> str:
 
 
 def _to_sympy(s: str):
-    """A sympy expression for a normalized answer (LaTeX `\\frac \\dfrac \\sqrt \\pi \\cdot ^{}`
-    or plain), or None when it is not plain math or its exponents multiply past 10**4 (so that
-    `9^{9^{9}}` cannot hang the caller)."""
+    """Sympy value of a normalized answer (plain or LaTeX `\\frac \\sqrt \\pi \\cdot ^{}`); None if not
+    plain math or if its exponents multiply past 10**4 (`9^{9^{9}}` must not hang)."""
     import sympy
-    from sympy.parsing.sympy_parser import (implicit_multiplication, parse_expr, rationalize,
-                                            standard_transformations)
-    s = re.sub(r"\\[dt]frac", r"\\frac", s).replace("\\pi", " pi ")
-    s = s.replace("\\cdot", "*").replace("\\times", "*")
+    from sympy.parsing import sympy_parser as sp
+    s = re.sub(r"\\cdot|\\times", "*", re.sub(r"\\[dt]frac", r"\\frac", s)).replace("\\pi", " pi ")
     for cmd, fmt in (("\\frac", "(({})/({}))"), ("\\sqrt", "sqrt({})")):
         while (i := s.find(cmd)) >= 0:
             args, j = [], i + len(cmd)
@@ -104,25 +84,20 @@ def _to_sympy(s: str):
     if len(s) > 200 or not _SAFE.fullmatch(s):
         return None
     names = ("Integer", "Float", "Rational", "Symbol", "Add", "Mul", "Pow", "sqrt", "pi")
-    kw = dict(transformations=standard_transformations + (implicit_multiplication, rationalize),
+    kw = dict(transformations=sp.standard_transformations + (sp.implicit_multiplication, sp.rationalize),
               global_dict={"__builtins__": {}, **{n: getattr(sympy, n) for n in names}})
-    try:
-        bound = 1
-        for p in parse_expr(s, evaluate=False, **kw).atoms(sympy.Pow):
-            if not p.exp.is_Rational or (bound := bound * max(abs(p.exp.p), 1)) > 10**4:
-                return None
-        return parse_expr(s, **kw)
-    except Exception:   # sympy raises many types (SyntaxError, TypeError, TokenError, ...)
-        return None
+    with contextlib.suppress(Exception):    # sympy raises many types (SyntaxError, TokenError, ...)
+        pows = sp.parse_expr(s, evaluate=False, **kw).atoms(sympy.Pow)
+        if all(p.exp.is_Rational for p in pows) and math.prod(max(abs(p.exp.p), 1) for p in pows) <= 10**4:
+            return sp.parse_expr(s, **kw)
+    return None
 
 
 def math_equal(a: str, b: str) -> bool:
-    """Whether two final answers have the same value. Both are normalized (`1,000` = `1000`, `$5`
-    = `5`, `5 cm` = `5`, `x = 3` = `3`, `50%` = `50` != `0.5` as GSM8K writes percentages), then
-    compared as sympy values when both parse: exactly when rational (`0.5` = `\\frac{1}{2}`,
-    `0.33` != `1/3`), to 20 digits when irrational (`\\pi` != `3.14159`), symbols set to two
-    fixed rationals (`x^2+2x+1` = `(x+1)^2`); else as strings, spaces ignored. No 1e3 notation.
-    Empty answers, and answers over 500 characters (bounds the time), are never equal."""
+    """Whether two final answers have the same value, after `_normalize` (`$5` = `5 cm` = `x = 5`;
+    `50%` = `50` as GSM8K writes percentages): as strings, spaces ignored, else as sympy values:
+    exact when rational (`0.5` = `\\frac{1}{2}`, `0.33` != `1/3`), to 20 digits when irrational,
+    symbols at two fixed rationals (`x^2+2x+1` = `(x+1)^2`). Empty or over 500 characters: False."""
     if len(a) > 500 or len(b) > 500 or not (a := _normalize(a)) or not (b := _normalize(b)):
         return False
     if re.sub(r"\s", "", a) == re.sub(r"\s", "", b):
@@ -130,7 +105,7 @@ def math_equal(a: str, b: str) -> bool:
     if (ea := _to_sympy(a)) is None or (eb := _to_sympy(b)) is None:
         return False
     import sympy
-    try:
+    with contextlib.suppress(Exception):    # e.g. a division by zero at the sample point
         for k in (1, 2):
             at = {x: sympy.Rational(7 * i + 3 * k, 11 * k + 13)
                   for i, x in enumerate(sorted(ea.free_symbols | eb.free_symbols, key=str))}
@@ -139,14 +114,12 @@ def math_equal(a: str, b: str) -> bool:
                     else abs(sympy.N(va - vb, 30)) <= 1e-20 * abs(sympy.N(va, 30))):
                 return False
         return True
-    except Exception:   # e.g. a division by zero at the sample point
-        return False
+    return False
 
 
 def math_reward(completion: str, answer, *, fallback_last_number: bool = True) -> float:
-    """1.0 if the completion's final answer (`extract_answer`) equals `answer` (`math_equal`),
-    else 0.0. `answer` is a str or number; a reference solution with `####` or `\\boxed{}`
-    (GSM8K's and MATH's solution fields) is reduced to its final answer first."""
+    """1.0 if `extract_answer(completion)` `math_equal`s `answer` (a str or number; a solution with
+    `####` or `\\boxed{}`, as in GSM8K and MATH, is reduced to its final answer first), else 0.0."""
     if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
         raise TypeError(f"answer must be a str or a number (the reference answer, e.g. '72'), "
                         f"got {type(answer).__name__}: {answer!r:.100}")
@@ -160,10 +133,8 @@ def gsm8k_reward(prompt: str, completion: str, answer) -> float:
     """minirl reward_fn (prompt, completion, answer): `math_reward(completion, answer)`."""
     return math_reward(completion, answer)
 
-# ---------------------------------------------------------------------------------------- code
 
-_HARNESS = r"""
-import json, os, resource, sys, traceback
+_HARNESS = r"""import json, os, resource, sys, traceback
 def main():     # a function, so that the job (and its nonce) is not a global of __main__
     job = json.load(sys.stdin)
     for name, value in job["limits"]:   # hard limits too, so the code cannot raise them
@@ -199,9 +170,8 @@ main()
 
 @dataclass(frozen=True)
 class RunResult:
-    """Outcome of `run_code`. status: "ok" (all tests passed), "fail" (a test failed or the code
-    raised), "timeout" (wall or CPU limit), "memory" (MemoryError) or "crash" (died unreported:
-    a signal, os._exit, output past the file size limit)."""
+    """Outcome of `run_code`. status: "ok" (all tests passed), "fail" (a test failed or the code raised),
+    "timeout", "memory" (MemoryError) or "crash" (died unreported: signal, os._exit, file size limit)."""
 
     status: str
     passed: int         # tests passed; 0 unless status is "ok" or "fail"
@@ -212,15 +182,12 @@ class RunResult:
 
 @cache
 def _netns_prefix() -> tuple[str, ...]:
-    """`unshare -rn` (new user and network namespaces: no network) where this system permits it
-    unprivileged; () where not (not Linux, or user namespaces disabled)."""
-    if sys.platform != "linux" or not (exe := shutil.which("unshare")):
-        return ()
-    try:
-        ok = subprocess.run([exe, "-rn", "true"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        ok = False
-    return (exe, "-rn") if ok else ()
+    """`unshare -rn` (new user and network namespaces: no network) where permitted unprivileged, else ()."""
+    if sys.platform == "linux" and (exe := shutil.which("unshare")):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            if subprocess.run([exe, "-rn", "true"], capture_output=True, timeout=10).returncode == 0:
+                return exe, "-rn"
+    return ()
 
 
 def _check_tests(tests) -> list[str]:
@@ -234,13 +201,10 @@ def _check_tests(tests) -> list[str]:
 
 
 def run_code(code: str, tests: str | list[str], *, timeout_s: float = 5.0, memory_mb: int = 512) -> RunResult:
-    """Run `code`, then each test (Python source, e.g. asserts) in its namespace, in a child
-    `python -I`: own session, temp working dir, env only PATH, stdin at EOF, `__name__` =
-    "solution". Limits: RLIMIT_AS memory_mb, RLIMIT_CPU ceil(timeout_s)+1 s, RLIMIT_NPROC 64
-    (root is exempt), RLIMIT_FSIZE 4 MiB, no core; its process group is killed at timeout_s of
-    wall time. An audit hook refuses sockets, process creation, os.kill and ctypes; where
-    permitted it runs under `unshare -rn` (no network). Contains mistakes, hangs and runaway
-    resource use, not attacks on the harness (use a container). Raises only for bad arguments."""
+    """Run `code`, then each test (Python source, e.g. asserts) in its namespace, in a child `python -I`:
+    own session and temp cwd, env only PATH, the rlimits below (NPROC spares root), an audit hook against
+    sockets, processes, os.kill and ctypes, `unshare -rn` where permitted; its process group is killed at
+    timeout_s. Contains mistakes, hangs and runaway resource use, not attacks. Raises only for bad args."""
     tests = _check_tests(tests)
     if not isinstance(code, str):
         raise TypeError(f"code must be a str, got {type(code).__name__}")
@@ -254,27 +218,23 @@ def run_code(code: str, tests: str | list[str], *, timeout_s: float = 5.0, memor
                 [*_netns_prefix(), sys.executable, "-I", "-c", _HARNESS], cwd=tmp,
                 env={"PATH": os.defpath}, stdin=subprocess.PIPE, stdout=fo, stderr=fe,
                 start_new_session=True) as proc:     # on exit: closes stdin, waits
-            try:    # the job goes in on stdin, which the code then finds at its end
+            with contextlib.suppress(subprocess.TimeoutExpired):  # the code finds the job at its stdin's end
                 proc.communicate(job, timeout=timeout_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
+            timed_out = proc.returncode is None
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, 9)      # also ends whatever the code left in its process group
         with open(out, errors="replace") as fo, open(err, errors="replace") as fe:
             reports = [json.loads(ln[len(nonce):]) for ln in fo  # whole lines only
                        if ln.startswith(nonce) and ln.endswith("\n")]
             stderr = fe.read()[-2000:]
+    status, passed = reports[-1] if reports else ("crash", 0)
     if timed_out or proc.returncode == -24:     # SIGXCPU: the CPU time limit
-        status, passed = "timeout", 0
-    else:
-        status, passed = reports[-1] if reports else ("crash", 0)
+        status = "timeout"
     return RunResult(status, passed if status in ("ok", "fail") else 0, len(tests), proc.returncode, stderr)
 
 
 def extract_code(completion: str) -> str | None:
-    """The last fenced block tagged python, py, python3 or untagged; with no fenced block at all,
-    the whole text. None when that is empty or whitespace."""
+    """The last fenced block tagged python, py, python3 or none (no fence: the whole text); None if blank."""
     blocks = re.findall(r"```[ \t]*(\w*)[^\n]*\n(.*?)```", completion, re.DOTALL)
     code = next((b for lang, b in reversed(blocks) if lang in ("python", "py", "python3", "")),
                 None if blocks else completion)
@@ -293,14 +253,10 @@ def code_reward(completion: str, tests: str | list[str], *, timeout_s: float = 5
         log.warning("code_reward: %s (exit %s): %s", r.status, r.returncode, r.stderr[-500:])
     return r.passed / r.total if partial else float(r.passed == r.total)
 
-# -------------------------------------------------------------------------------------- format
-
-
 def format_reward(completion: str, tags: tuple[str, ...] | list[str] = ("answer",), *,
                   boxed: bool = False) -> float:
-    """1.0 if each tag appears exactly once as a non-empty `<tag>...</tag>`, in the given order,
-    and (if boxed) the last complete `\\boxed{...}` is non-empty; else 0.0. tags=() checks only
-    boxed. Tags are matched exactly: `<Answer>` or `<answer id=1>` is not `<answer>`."""
+    """1.0 if each tag appears once, non-empty, in order, as exactly `<tag>...</tag>` (not `<Answer>`,
+    `<answer id=1>`) and, if boxed, the last `\\boxed{}` is non-empty, else 0.0; tags=() checks boxed only."""
     if isinstance(tags, str):
         raise TypeError(f"tags must be a tuple of tag names, e.g. ({tags!r},), not a str")
     pos = 0
@@ -313,9 +269,8 @@ def format_reward(completion: str, tags: tuple[str, ...] | list[str] = ("answer"
 
 
 def combine(*pairs):
-    """A reward_fn returning sum(weight * fn(*args)) over (fn, weight) pairs; every fn gets the
-    arguments the trainer passes (prompt, completion[, metadata]). Wrap a completion-only
-    reward in a lambda: `(lambda p, c, *_: format_reward(c), 0.1)`."""
+    """A reward_fn returning sum(weight * fn(*args)) over (fn, weight) pairs, each fn called with what
+    the trainer passes; wrap completion-only rewards: `(lambda p, c, *_: format_reward(c), 0.1)`."""
     if not pairs:
         raise ValueError("combine needs at least one (reward_fn, weight) pair")
     for pair in pairs:
