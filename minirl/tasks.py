@@ -1,8 +1,6 @@
-"""Built-in verifiable tasks for demos and tests: a prompt stream plus an exact reward.
-
-Prompts like "3+4=" whose answer is one digit; a completion scores 1.0 when it starts with that
-digit. A random model (64-token vocabulary) scores about 1/64, so a rising reward curve means the
-policy learned from its own rollouts. CPU only, no downloads.
+"""Built-in verifiable tasks for demos and tests: prompts like "3+4=", scored 1.0 when the completion
+starts with the one-digit answer. A random model (64-token vocabulary) scores about 1/64, so a rising
+reward means the policy learned from its rollouts. CPU only, no downloads.
 
     python -m minirl.tasks add        # print a few prompts and answers
 """
@@ -12,6 +10,7 @@ from __future__ import annotations
 import random
 import sys
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 
@@ -39,17 +38,13 @@ def _copy(rng):
     return f"{d}=", str(d)
 
 
-def _add(rng):
-    a, b = rng.randrange(10), rng.randrange(10)
+def _add(rng, b: int | None = None):      # 'a+b=' -> last digit of a+b; b drawn after a unless given
+    a = rng.randrange(10)
+    b = rng.randrange(10) if b is None else b
     return f"{a}+{b}=", str((a + b) % 10)
 
 
-def _succ(rng):
-    d = rng.randrange(10)
-    return f"{d}+1=", str((d + 1) % 10)
-
-
-TASKS = {t.name: t for t in (Task("copy", _copy), Task("succ", _succ), Task("add", _add))}
+TASKS = {t.name: t for t in (Task("copy", _copy), Task("succ", partial(_add, b=1)), Task("add", _add))}
 
 
 def get_task(name: str) -> Task:
@@ -59,6 +54,5 @@ def get_task(name: str) -> Task:
 
 
 if __name__ == "__main__":
-    task = get_task(sys.argv[1] if len(sys.argv) > 1 else "add")
-    for p, a in zip(*task.sample(5, seed=0)):
+    for p, a in zip(*get_task(sys.argv[1] if len(sys.argv) > 1 else "add").sample(5, seed=0)):
         print(f"{p!r} -> {a!r}")
