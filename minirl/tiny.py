@@ -1,6 +1,5 @@
-"""A tiny causal LM (random weights: it knows nothing until trained) and character tokenizer,
-built locally in about a second, for tests and the default demo. CPU; no network; loads in
-transformers and in vLLM's CPU build (head_dim 64 >= 32).
+"""A tiny random-init causal LM (it knows nothing until trained) and character tokenizer, built locally
+in about a second for tests and the demo. CPU, no network; loads in transformers and vLLM's CPU build.
 
     python -m minirl.tiny /tmp/tiny        # writes config, safetensors and tokenizer there
 """
@@ -14,8 +13,7 @@ import sys
 from pathlib import Path
 
 SPECIAL = ["<pad>", "<eos>"]
-# One token per character; 62 of them, so with the 2 specials the vocabulary is exactly 64
-# (every id the model can sample decodes to a character).
+# 62 one-character tokens + 2 specials: a vocabulary of exactly 64 (every id decodes to a character).
 CHARS = list(string.digits) + list("+-*=?:, ") + list(string.ascii_lowercase) + list("ABCDEFGHIJKLMNOPQR")
 
 
@@ -28,7 +26,6 @@ def build_tokenizer():
     """A `PreTrainedTokenizerFast` that maps every character to one token (no merges)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.WordLevel(vocab=vocab(), unk_token="?"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -43,24 +40,21 @@ def build_tiny_model(path: str | os.PathLike, *, hidden_size: int = 128, num_lay
     The same arguments give bit-identical weights; vocab_size may exceed the tokenizer's."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
-
     path = Path(path)
     tokenizer = build_tokenizer()
     if vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
     head_dim = hidden_size // num_heads
     if head_dim < 32:
-        raise ValueError(f"head_dim={head_dim}: vLLM's CPU attention needs head_dim >= 32; "
-                         "raise hidden_size or lower num_heads")
+        raise ValueError(f"head_dim={head_dim} < 32 (vLLM CPU attention): raise hidden_size or cut num_heads")
     config = Qwen3Config(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads or num_heads,
-        head_dim=head_dim, max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=None, eos_token_id=vocab()["<eos>"], pad_token_id=vocab()["<pad>"],
-        torch_dtype="float32", rope_theta=10000.0)
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, head_dim=head_dim,
+        num_key_value_heads=num_kv_heads or num_heads, max_position_embeddings=256, rope_theta=10000.0,
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=None, torch_dtype="float32",
+        eos_token_id=vocab()["<eos>"], pad_token_id=vocab()["<pad>"])
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     # Fix generation defaults so vLLM applies none of its own (explicit SamplingParams rule anyway).
