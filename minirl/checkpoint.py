@@ -4,21 +4,13 @@
     ckpt.save(step, model, optimizer, state={"policy_version": v, ...}, compat={...}, hf_from=path)
     state = ckpt.load(model, optimizer, compat={...})       # the latest complete checkpoint
 
-Layout of one checkpoint, runs/x/checkpoints/step_00000012/:
-    dcp/            model + optimizer state, sharded, torch.distributed.checkpoint (any world size)
-    rng_rank<r>.pt  python / numpy / torch (CPU and CUDA) generator states of each rank
-    state.json      step, caller's JSON state (policy version, prompt cursor...), compat
-    objects.pt      caller's other objects (e.g. the queued rollouts of an async run), rank 0
-    hf/             optional: the policy as safetensors + config + tokenizer, loads in transformers
-                    and vLLM as is; gathered to rank 0 only (one full copy per node)
-    MANIFEST.json   every file's size, written last
-
-Written to a hidden temporary directory renamed into place once complete; one without a matching
-manifest is refused with a clear error. The newest `keep` stay. Collective: every training rank
-calls save / load. Hardware: any (gloo or NCCL process group, or a single process).
+A checkpoint, e.g. runs/x/checkpoints/step_00000012/, holds dcp/ (model + optimizer state, sharded, for
+any world size), rng_rank<r>.pt (each rank's python, numpy, torch and CUDA RNG states), state.json (step,
+the caller's JSON state, compat), objects.pt (the caller's other objects, e.g. queued rollouts; rank 0),
+optionally hf/ (the policy for transformers and vLLM), and MANIFEST.json (every file's size), written
+last, before the hidden temporary directory is renamed into place; one without a matching manifest is
+refused. The newest `keep` stay. Collective: every rank calls save / load (gloo, NCCL or no group).
 """
-
-from __future__ import annotations
 
 import json
 import os
@@ -26,8 +18,11 @@ import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
+
+from minirl.weights import reshard
 
 
 class CheckpointError(RuntimeError):
@@ -44,15 +39,11 @@ def _barrier():
 
 
 def _rng_state() -> dict:
-    import numpy as np
     s = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        s["cuda"] = torch.cuda.get_rng_state_all()
-    return s
+    return s | ({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {})
 
 
 def _set_rng_state(s: dict) -> None:
-    import numpy as np
     random.setstate(s["python"])
     np.random.set_state(s["numpy"])
     torch.set_rng_state(s["torch"])
@@ -68,12 +59,11 @@ def _manifest(root: Path) -> dict[str, int]:
 def verify(path: str | os.PathLike) -> Path:
     """Raise CheckpointError unless `path` is a complete checkpoint whose files match its manifest."""
     path = Path(path)
-    m = path / "MANIFEST.json"
-    if not m.exists():
-        raise CheckpointError(f"checkpoint {path} is incomplete (no MANIFEST.json): it was interrupted "
-                              "while being written; delete it, or resume from an earlier one")
     try:
-        want = json.loads(m.read_text())
+        want = json.loads((path / "MANIFEST.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} is incomplete (no MANIFEST.json): it was interrupted "
+                              "while being written; delete it, or resume from an earlier one") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"checkpoint {path}: MANIFEST.json is corrupt ({e})") from e
     have = _manifest(path)
@@ -87,18 +77,16 @@ def verify(path: str | os.PathLike) -> Path:
 
 def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, tokenizer_from: str | None = None,
               dtype: torch.dtype | None = None) -> None:
-    """Write the (FSDP2) model as a Hugging Face directory on rank 0: safetensors + config +
-    tokenizer (copied from `tokenizer_from`). Gathers the full state dict to rank 0's CPU only."""
+    """Write the (FSDP2) model as a Hugging Face directory (safetensors, config, tokenizer copied from
+    `tokenizer_from`) on rank 0, gathering the full state dict to rank 0's CPU only. Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from minirl.weights import reshard
     reshard(model)
     opts = StateDictOptions(full_state_dict=dist.is_initialized(), cpu_offload=True)
     sd = get_model_state_dict(model, options=opts)
     if _rank() != 0:
         return
-    if dtype is None:
-        dtype = getattr(model.config, "torch_dtype", None) or torch.float32
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    dtype = dtype or getattr(model.config, "torch_dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     sd = {k: v.to(dtype) for k, v in sd.items()}
     model.save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
     if tokenizer_from is not None:
@@ -116,21 +104,16 @@ class Checkpointer:
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first (directories being written are ignored)."""
-        if not self.root.exists():
-            return []
         return sorted(p for p in self.root.glob("step_*") if (p / "MANIFEST.json").exists())
 
     def latest(self) -> Path | None:
-        done = self.complete()
-        return done[-1] if done else None
+        return (self.complete() or [None])[-1]
 
     def save(self, step: int, model, optimizer, *, state: dict | None = None, compat: dict | None = None,
              objects: dict | None = None, hf_from: str | None = None) -> Path:
-        """Save everything for resume (and the HF policy when hf_from, the model's source
-        directory for config/tokenizer, is given). Collective. Returns the checkpoint path."""
+        """Collective: save everything for resume, and the HF policy if hf_from (its tokenizer's source)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
-        from minirl.weights import reshard
         final, tmp = self.root / f"step_{step:08d}", self.root / f".tmp_step_{step:08d}"
         if _rank() == 0:
             if final.exists():
@@ -146,9 +129,8 @@ class Checkpointer:
             export_hf(model, tmp / "hf", tokenizer_from=hf_from)
         _barrier()
         if _rank() == 0:
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            meta = {"step": step, "world_size": world, "state": state or {}, "compat": compat or {}}
-            (tmp / "state.json").write_text(json.dumps(meta))
+            meta = {"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+            (tmp / "state.json").write_text(json.dumps(meta | {"state": state or {}, "compat": compat or {}}))
             if objects:
                 torch.save(objects, tmp / "objects.pt")
             (tmp / "MANIFEST.json").write_text(json.dumps(_manifest(tmp)))
@@ -160,22 +142,18 @@ class Checkpointer:
 
     def load(self, model, optimizer, *, path: str | os.PathLike | None = None,
              compat: dict | None = None) -> dict:
-        """Restore model, optimizer and RNG states from `path` (default: the latest complete
-        checkpoint). compat: what must match the saved run (model, tokenizer, settings); a
-        difference raises CheckpointError naming it. Returns read_state(path)."""
+        """Restore model, optimizer and RNG states from `path` (default: the latest complete one); returns
+        read_state(path). A `compat` entry (model, tokenizer, settings) unlike the saved one raises."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-        from minirl.weights import reshard
         if path is None and (path := self.latest()) is None:
             raise CheckpointError(f"no complete checkpoint under {self.root}")
         saved = json.loads((verify(path) / "state.json").read_text()).get("compat", {})
-        diff = {k: (saved.get(k), v) for k, v in (compat or {}).items() if k in saved and saved[k] != v}
-        if diff:
+        if diff := {k: (saved[k], v) for k, v in (compat or {}).items() if k in saved and saved[k] != v}:
             raise CheckpointError(f"checkpoint {path} does not fit this run: "
                                   + "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items()))
         reshard(model)
-        msd, osd = get_state_dict(model, optimizer)
-        sd = {"model": msd, "optim": osd}
+        sd = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
         dcp.load(sd, checkpoint_id=str(Path(path) / "dcp"))
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         rng = Path(path) / f"rng_rank{_rank()}.pt"
@@ -199,8 +177,7 @@ def tokenizer_hash(model_dir: str) -> str | None:
 
 
 def read_state(path: str | os.PathLike) -> dict:
-    """A checkpoint's {"step", "state", "objects", "path"} without touching any model (e.g. for
-    the generation side of an async run, which only needs the prompt bookkeeping)."""
+    """A checkpoint's {"step", "state", "objects", "path"} without any model (for an async generator)."""
     path = verify(path)
     meta = json.loads((path / "state.json").read_text())
     objects = path / "objects.pt"
