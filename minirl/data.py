@@ -1,18 +1,14 @@
-"""The rollout data contract: what generation hands to training, exactly.
+"""The rollout data contract: what generation hands to training, exactly. Pure torch + stdlib, CPU or GPU.
 
-A `Rollout` is one completion: token ids, the log-prob vLLM gave each completion token when it
-sampled it, reward, advantage, finish reason, policy version. A `RolloutBatch` is the G
-completions of one prompt. With P prompt and C completion tokens the tensors line up as
+A `Rollout` is one completion (token ids, vLLM's sampling log-probs, reward, advantage, finish reason,
+policy version), a `RolloutBatch` the G of one prompt; `collate` pads rollouts, `pack` lays them end to
+end (what Trainer runs). Tests: tests/test_data.py. With P prompt and C completion tokens:
 
     rollout.token_ids      (1, P+C)   prompt + completion, ready for model(rollout.token_ids)
     get_logprobs(model(rollout.token_ids).logits, rollout.token_ids)
                            (1, P+C-1) entry i scores token i+1; the last C score the completion
     rollout.old_logprobs   (1, C)     vLLM's sampling log-probs: entry j matches entry P-1+j above
     rollout.loss_mask      (1, C)     1 where the token counts
-
-`collate` pads rollouts into (B, T) tensors (log-prob fields (B, T-1), aligned with get_logprobs);
-`pack` lays them end to end, unpadded (what Trainer runs). Pure torch + stdlib, CPU or GPU;
-parse_vllm_outputs reads vLLM objects without importing vLLM. Tests: tests/test_data.py.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ import numbers
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import torch
 
@@ -49,15 +45,13 @@ class Rollout:
     info: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if len(self.sampling_logprobs) != len(self.completion_ids):
-            raise ValueError(f"{len(self.sampling_logprobs)} sampling log-probs for "
-                             f"{len(self.completion_ids)} completion tokens (uid={self.uid!r})")
-        if self.loss_mask is not None and len(self.loss_mask) != len(self.completion_ids):
-            raise ValueError(f"loss_mask has {len(self.loss_mask)} entries for "
-                             f"{len(self.completion_ids)} completion tokens (uid={self.uid!r})")
+        C = len(self.completion_ids)
+        for what, n in (("sampling log-probs", len(self.sampling_logprobs)),
+                        ("loss_mask entries", C if self.loss_mask is None else len(self.loss_mask))):
+            if n != C:
+                raise ValueError(f"{n} {what} for {C} completion tokens (uid={self.uid!r})")
         if not self.prompt_ids:
-            raise ValueError(f"empty prompt (uid={self.uid!r}): a causal LM needs at least one "
-                             "prompt token to score the first completion token")
+            raise ValueError(f"empty prompt (uid={self.uid!r}): a causal LM needs >= 1 prompt token")
 
     @property
     def num_tokens(self) -> int:
@@ -80,8 +74,7 @@ class Rollout:
         return torch.tensor([m], dtype=torch.float32, device=self.device)
 
     def as_padding(self) -> "Rollout":
-        """A copy that counts for nothing (loss_mask all 0): lets every data-parallel rank run
-        the same number of forward/backward passes when the data does not split evenly."""
+        """A copy that counts for nothing (loss_mask all 0), so data-parallel ranks run equal passes."""
         return replace(self, loss_mask=[0] * len(self.completion_ids), info={**self.info, "padding": True})
 
     def to(self, device) -> "Rollout":
@@ -120,19 +113,16 @@ class RolloutBatch:
         return min(r.policy_version for r in self.rollouts)
 
     def compute_advantages(self, *, normalize_std: bool = False, eps: float = 1e-6) -> "RolloutBatch":
-        """Set each rollout's advantage to its reward minus the group mean (GRPO), optionally
-        divided by the group std. Returns self."""
+        """Set each advantage to reward - group mean (GRPO), / group std if normalize_std. Returns self."""
         adv = compute_advantages(self.rewards, len(self.rollouts), normalize_std=normalize_std, eps=eps)
         for r, a in zip(self.rollouts, adv.tolist()):
             r.advantage = a
         return self
 
+
 # -------------------------------------------------------------------------------- from vLLM outputs
-
-
 def _check_reward(value, prompt, completion) -> float:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
+    value = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"reward_fn returned {value!r} ({type(value).__name__}) for prompt {prompt!r}, "
                         f"completion {completion!r}: it must return a finite float")
@@ -142,37 +132,24 @@ def _check_reward(value, prompt, completion) -> float:
     return float(value)
 
 
-def _sampled_logprobs(completion) -> list[float] | None:
-    """The sampled token's log-prob at each position of a vLLM CompletionOutput (None when the
-    request asked for none). `logprobs[i]` maps token id -> Logprob in every vLLM version."""
-    lps = completion.logprobs
-    if lps is None:
-        return None
-    return [lps[i][tok].logprob for i, tok in enumerate(completion.token_ids)]
-
-
 def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, *,
                        metadata: Sequence | None = None, uids: Sequence | None = None,
                        policy_version: int | None = None, device=None, tokenizer=None) -> list[RolloutBatch]:
-    """vLLM `RequestOutput`s (n=group_size per prompt, or group_size consecutive n=1 ones; asked
-    for logprobs=0) -> one RolloutBatch per prompt. reward_fn(prompt, completion[, metadata[i]])
-    is called once per completion, in order, and must return a finite real (not a bool); what it
-    raises is re-raised naming the prompt. uids: one per prompt (default: its index).
-    policy_version / device default to the engine's stamp (WeightManager.as_vllm(); else 0, "cpu").
-    With SamplingParams(detokenize=False), `tokenizer` decodes all completions in one batch."""
+    """vLLM `RequestOutput`s (n=group_size per prompt, or group_size consecutive n=1 ones; logprobs=0)
+    -> one RolloutBatch per prompt. reward_fn(prompt, completion[, metadata[i]]) is called once per
+    completion, in order, and must return a finite real (not a bool); what it raises is re-raised naming
+    the prompt. uids: one per prompt (default: its index). policy_version / device default to the engine's
+    stamp (WeightManager.as_vllm(); else 0, "cpu"). `tokenizer` decodes detokenize=False completions."""
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     outputs = list(outputs)
-    if all(len(o.outputs) == group_size for o in outputs):
-        groups = [[(o, c) for c in o.outputs] for o in outputs]
-    elif all(len(o.outputs) == 1 for o in outputs) and len(outputs) % group_size == 0:
-        groups = [[(o, o.outputs[0]) for o in outputs[i:i + group_size]]
-                  for i in range(0, len(outputs), group_size)]
-    else:
-        counts = sorted({len(o.outputs) for o in outputs})
-        raise ValueError(f"cannot split {len(outputs)} outputs with {counts} completions each into "
+    counts = {len(o.outputs) for o in outputs}           # all group_size, or all 1 and whole groups
+    if counts - {group_size} and (counts - {1} or len(outputs) % group_size):
+        raise ValueError(f"cannot split {len(outputs)} outputs with {sorted(counts)} completions each into "
                          f"groups of {group_size}: use SamplingParams(n={group_size}), or repeat each "
                          f"prompt {group_size} times in a row with n=1")
+    pairs = [(o, c) for o in outputs for c in o.outputs]
+    groups = [pairs[i:i + group_size] for i in range(0, len(pairs), group_size)]
     for name, seq in (("metadata", metadata), ("uids", uids)):
         if seq is not None and len(seq) != len(groups):
             raise ValueError(f"{len(seq)} {name} entries for {len(groups)} prompts: give one per prompt")
@@ -180,18 +157,17 @@ def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, 
     version = stamp.get("policy_version", 0) if policy_version is None else int(policy_version)
     dev = stamp.get("device", "cpu") if device is None else str(device)
     texts = None
-    if tokenizer is not None and any(not c.text and c.token_ids for g in groups for _, c in g):
-        texts = iter(tokenizer.batch_decode([list(c.token_ids) for g in groups for _, c in g],
-                                            skip_special_tokens=True))
+    if tokenizer is not None and any(not c.text and c.token_ids for _, c in pairs):
+        texts = iter(tokenizer.batch_decode([list(c.token_ids) for _, c in pairs], skip_special_tokens=True))
     batches = []
     for gi, group in enumerate(groups):
         uid = gi if uids is None else uids[gi]
         rollouts = []
         for out, comp in group:
-            lps = _sampled_logprobs(comp)
-            if lps is None:
+            if comp.logprobs is None:
                 raise ValueError(f"no sampling log-probs for prompt {out.prompt!r} (uid={uid!r}): "
                                  "generate with SamplingParams(..., logprobs=0)")
+            lps = [comp.logprobs[i][t].logprob for i, t in enumerate(comp.token_ids)]  # {id: Logprob}
             text = comp.text if texts is None else next(texts)
             args = (out.prompt, text) if metadata is None else (out.prompt, text, metadata[gi])
             try:
@@ -209,18 +185,19 @@ def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, 
 
 
 # ----------------------------------------------------------------------------- training tensors
+_Batch = TypeVar("_Batch", bound="_Tensors")
 
 
-def _to_device(batch, device):
-    """A copy of a batch dataclass with every tensor field on `device`."""
-    return replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in fields(batch)
-                             if isinstance(getattr(batch, f.name), torch.Tensor)})
+class _Tensors:
+    def to(self: _Batch, device) -> _Batch:
+        """A copy of this batch with every tensor field on `device`."""
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
 
 
 @dataclass
-class TrainBatch:
-    """Many rollouts, right-padded. Log-prob-shaped fields are (B, T-1), aligned with
-    get_logprobs(model(input_ids, attention_mask=attention_mask).logits, input_ids)."""
+class TrainBatch(_Tensors):
+    """Rollouts right-padded; (B, T-1) fields align with get_logprobs(model(input_ids).logits, input_ids)."""
 
     input_ids: torch.Tensor        # (B, T) int64
     attention_mask: torch.Tensor   # (B, T) int64, 1 on real tokens
@@ -228,9 +205,6 @@ class TrainBatch:
     loss_mask: torch.Tensor        # (B, T-1) fp32, 1 where a completion token counts
     advantages: torch.Tensor       # (B,) fp32
     num_tokens: int                # counted (loss_mask) tokens
-
-    def to(self, device) -> "TrainBatch":
-        return _to_device(self, device)
 
 
 def collate(rollouts: Iterable[Rollout], *, pad_token_id: int = 0, device=None) -> TrainBatch:
@@ -247,26 +221,23 @@ def collate(rollouts: Iterable[Rollout], *, pad_token_id: int = 0, device=None) 
         ids[i, :P + C] = torch.tensor(r.prompt_ids + r.completion_ids)
         att[i, :P + C] = 1
         old[i, P - 1:P - 1 + C] = torch.tensor(r.sampling_logprobs)
-        m = r.loss_mask if r.loss_mask is not None else [1] * C
-        mask[i, P - 1:P - 1 + C] = torch.tensor(m, dtype=torch.float32)
-    adv = torch.tensor([r.advantage for r in rollouts], dtype=torch.float32)
-    batch = TrainBatch(ids, att, old, mask, adv, int(mask.sum()))
-    return batch.to(device if device is not None else rollouts[0].device)
+        mask[i, P - 1:P - 1 + C] = 1 if r.loss_mask is None else torch.tensor(r.loss_mask, dtype=mask.dtype)
+    return TrainBatch(ids, att, old, mask, torch.tensor([r.advantage for r in rollouts], dtype=torch.float32),
+                      int(mask.sum())).to(device if device is not None else rollouts[0].device)
 
 
 @dataclass
-class PackedBatch:
-    """Whole rollouts end to end in one unpadded row: what Trainer.forward_backward runs. Positions
-    restart at 0 per rollout and `cu_seqlens` marks each start, so attention never crosses rollouts.
-    Per-token fields: one entry per scored token (completion tokens with loss_mask 1, row order);
-    the logits at row position scored[i] score targets[i] (= input_ids[0, scored[i] + 1])."""
+class PackedBatch(_Tensors):
+    """Whole rollouts end to end in one unpadded row (what Trainer runs); positions restart per rollout
+    and `cu_seqlens` marks each start, so attention never crosses rollouts. Per-token fields hold one
+    entry per scored token (loss_mask 1, row order): the logits at row position scored[i] score targets[i]."""
 
     input_ids: torch.Tensor        # (1, L) int64
     position_ids: torch.Tensor     # (1, L) int64, 0.. for each rollout
     cu_seqlens: torch.Tensor       # (S+1,) int32, where rollout s starts and ends in the row
     max_seqlen: int
     scored: torch.Tensor           # (n,) int64 row positions whose logits score a token
-    targets: torch.Tensor          # (n,) int64
+    targets: torch.Tensor          # (n,) int64, = input_ids[0, scored + 1]
     old_logprobs: torch.Tensor     # (n,) fp32 sampling log-probs of the targets
     advantages: torch.Tensor       # (n,) fp32, each token its rollout's advantage
     seq_index: torch.Tensor        # (n,) int64, which rollout (0..S-1) each token belongs to
@@ -276,30 +247,22 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return int(self.scored.numel())
 
-    def to(self, device) -> "PackedBatch":
-        return _to_device(self, device)
-
 
 def split_by_tokens(rollouts: Sequence[Rollout], parts: int, *, max_tokens: int | None = None
                     ) -> list[list[Rollout]]:
-    """Greedy longest-first split into `parts` lists of about equal token counts (each rollout to the
-    lightest part; with max_tokens, to the first with room, else a new one). Deterministic; input
-    order kept inside each part."""
+    """Greedy longest-first split into `parts` lists of about equal token counts (each rollout to the lightest
+    part; with max_tokens, to the first with room, else a new one). Deterministic; input order kept."""
     if max_tokens is None and parts < 1:
         raise ValueError(f"parts must be >= 1, got {parts}")
-    order = sorted(range(len(rollouts)), key=lambda i: -rollouts[i].num_tokens)
     bins: list[list[int]] = [[] for _ in range(parts)]
     load = [0] * parts
-    for i in order:
+    for i in sorted(range(len(rollouts)), key=lambda i: -rollouts[i].num_tokens):      # longest first
         n = rollouts[i].num_tokens
-        if max_tokens is None:
-            b = load.index(min(load))
-        else:
-            b = next((k for k in range(len(bins)) if load[k] + n <= max_tokens), None)
-            if b is None:
-                b = len(bins)
-                bins.append([])
-                load.append(0)
+        b = (load.index(min(load)) if max_tokens is None
+             else next((k for k, l in enumerate(load) if l + n <= max_tokens), len(load)))
+        if b == len(bins):                        # with max_tokens: no part has room, open one
+            bins.append([])
+            load.append(0)
         bins[b].append(i)
         load[b] += n
     return [[rollouts[i] for i in sorted(b)] for b in bins if b or max_tokens is None]
@@ -310,8 +273,6 @@ def pack(rollouts: Sequence[Rollout], max_tokens: int) -> list[PackedBatch]:
     longer than max_tokens gets a row of its own). Tensors are built on the rollouts' device."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    if not rollouts:
-        return []
     out = []
     for row in split_by_tokens(rollouts, 0, max_tokens=max_tokens):
         ids, pos, cu, scored, targets, old, adv, seq = [], [], [0], [], [], [], [], []
@@ -320,8 +281,7 @@ def pack(rollouts: Sequence[Rollout], max_tokens: int) -> list[PackedBatch]:
             ids += r.prompt_ids + r.completion_ids
             pos += range(P + C)
             cu.append(o + P + C)
-            mask = r.loss_mask if r.loss_mask is not None else [1] * C
-            for j in (j for j in range(C) if mask[j]):
+            for j in (j for j in range(C) if r.loss_mask is None or r.loss_mask[j]):
                 scored.append(o + P - 1 + j)               # logits at P-1+j score completion token j
                 targets.append(r.completion_ids[j])
                 old.append(r.sampling_logprobs[j])
@@ -338,8 +298,6 @@ def pack(rollouts: Sequence[Rollout], max_tokens: int) -> list[PackedBatch]:
 
 
 # ------------------------------------- save / load (JSON lines: one rollout a line, exact floats)
-
-
 def save_rollouts(path: str | os.PathLike, batches: Iterable[RolloutBatch]) -> Path:
     """Write batches to a JSONL file (atomically: a temp file renamed into place)."""
     path = Path(path)
@@ -347,8 +305,7 @@ def save_rollouts(path: str | os.PathLike, batches: Iterable[RolloutBatch]) -> P
     with open(tmp, "w") as f:
         for bi, batch in enumerate(batches):
             for r in batch:
-                d = asdict(r)
-                d.pop("device")
+                d = {k: v for k, v in asdict(r).items() if k != "device"}
                 f.write(json.dumps({"batch": bi, "batch_uid": batch.uid, **d}) + "\n")
     os.replace(tmp, path)
     return path
