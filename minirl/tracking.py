@@ -1,86 +1,69 @@
-"""Training-metric logging: one `Tracker` that sends each `log(metrics, step)` to a tqdm bar, a
-JSONL file (always), TensorBoard, and optionally Weights & Biases or MLflow. Plus a plotter.
+"""Training-metric logging: `Tracker.log(metrics, step)` goes to a tqdm bar, TensorBoard, W&B or MLflow,
+and always to run_dir/metrics.jsonl, appended (a resumed run continues it): per call "step", unix
+"time", then the metrics as plain ints/floats, non-finite ones null with their keys in "nonfinite" (the
+other backends get the raw float). run_dir also holds config.json (the `config` dict) and tb/. Only
+rank 0 writes; CPU, any machine.
 
     with Tracker("runs/gsm8k", total_steps=200, config=cfg) as tracker:
-        for step in range(1, 201):
+        for step in range(1, 201):      # the bar's position is `step`: count from 1
             tracker.log({"reward/mean": r, "loss": loss, "time/generate": t_gen}, step=step)
-
     python -m minirl.tracking plot runs/gsm8k [--out curves.png] [--keys loss kl]
-
-CPU, any machine; only rank 0 writes. run_dir holds metrics.jsonl (appended, so a resumed run
-continues it: per log call "step", unix "time", then the metrics as plain ints/floats; non-finite
-values are written as null and their keys listed in "nonfinite", the other backends get the raw
-float), config.json (the `config` dict) and tb/. The bar's position is `step`: count from 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import re
 import time
+from functools import partial
 from pathlib import Path
 
 BACKENDS = ("tensorboard", "wandb", "mlflow")
 RESERVED = ("step", "time", "nonfinite")
-
-
-def _default_rank() -> int:
-    import torch.distributed as dist
-    initialized = dist.is_available() and dist.is_initialized()
-    return dist.get_rank() if initialized else int(os.environ.get("RANK", 0))
+_mlflow_key = partial(re.sub, r"[^A-Za-z0-9_\-. /]", "_")    # characters MLflow does not accept -> _
 
 
 def _to_number(key, v):
     """Plain int/float from a python, numpy or torch scalar (bools become 0/1)."""
     if hasattr(v, "item") and not isinstance(v, (int, float)):
         v = v.item()                      # torch / numpy scalar; raises for multi-element tensors
-    if isinstance(v, int):
-        return int(v)
     try:
-        return float(v)
+        return int(v) if isinstance(v, int) else float(v)
     except (TypeError, ValueError):
         raise TypeError(f"metric {key!r}: cannot log a {type(v).__name__} ({v!r})") from None
 
 
 def _flatten(d, prefix=""):
     """{"model": {"name": "x"}} -> {"model.name": "x"} (for MLflow params)."""
-    out = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
+    return {fk: fv for k, v in d.items() for fk, fv in
+            (_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}).items()}
 
 
-def _mlflow_key(k: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_\-. /]", "_", k)   # the characters MLflow accepts in names
-
-
-def _import(name: str):
-    try:
-        return __import__(name)
-    except ImportError as e:
-        raise ImportError(f"backend {name!r} needs the {name} package: pip install {name}") from e
-
-
-class Tracker:
-    """Metrics to a tqdm bar, a JSONL file (always), TensorBoard, and optionally W&B / MLflow.
-    On ranks other than 0 every method is a no-op."""
+class Tracker(contextlib.AbstractContextManager):
+    """Metrics to a tqdm bar, metrics.jsonl, TensorBoard, W&B / MLflow; a no-op on ranks other than 0."""
 
     def __init__(self, run_dir, *, backends=("tensorboard",), total_steps=None, config=None,
                  project="minirl", run_name=None, console=True, rank=None):
         backends = (backends,) if isinstance(backends, str) else tuple(backends or ())
         if bad := [b for b in backends if b not in BACKENDS]:
             raise ValueError(f"unknown tracking backend(s) {bad}; valid: {list(BACKENDS)}")
-        self.rank = _default_rank() if rank is None else rank
-        self.enabled = self.rank == 0
-        self.run_dir = Path(run_dir)
+        if rank is None:
+            import torch.distributed as dist
+            initialized = dist.is_available() and dist.is_initialized()
+            rank = dist.get_rank() if initialized else int(os.environ.get("RANK", 0))
+        self.rank, self.enabled, self.run_dir = rank, rank == 0, Path(run_dir)
         self._file = self._bar = self._tb = self._wandb = self._mlflow = None
         if not self.enabled:
             return
-        wandb = _import("wandb") if "wandb" in backends else None   # fail before writing files
-        mlflow = _import("mlflow") if "mlflow" in backends else None
+        for name in [b for b in backends if b in ("wandb", "mlflow")]:     # fail before writing files
+            try:
+                setattr(self, f"_{name}", __import__(name))
+            except ImportError as e:
+                raise ImportError(f"backend {name!r} needs the {name} package: pip install {name}") from e
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config = dict(config or {})
         if config:
@@ -89,15 +72,13 @@ class Tracker:
         if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(str(self.run_dir / "tb"))
-        if wandb is not None:
-            wandb.init(project=project, name=run_name, config=config, dir=str(self.run_dir))
-            self._wandb = wandb
-        if mlflow is not None:
-            mlflow.set_experiment(project)
-            mlflow.start_run(run_name=run_name)
+        if self._wandb is not None:
+            self._wandb.init(project=project, name=run_name, config=config, dir=str(self.run_dir))
+        if self._mlflow is not None:
+            self._mlflow.set_experiment(project)
+            self._mlflow.start_run(run_name=run_name)
             if config:
-                mlflow.log_params({_mlflow_key(k): str(v) for k, v in _flatten(config).items()})
-            self._mlflow = mlflow
+                self._mlflow.log_params({_mlflow_key(k): str(v) for k, v in _flatten(config).items()})
         if console:
             from tqdm.auto import tqdm
             self._bar = tqdm(total=total_steps, desc=run_name or self.run_dir.name, dynamic_ncols=True)
@@ -110,10 +91,8 @@ class Tracker:
         if clash := [k for k in values if k in RESERVED]:
             raise ValueError(f"metric names {clash} are reserved by the JSONL record")
         nonfinite = [k for k, v in values.items() if isinstance(v, float) and not math.isfinite(v)]
-        record = {"step": step, "time": time.time(),
-                  **{k: None if k in nonfinite else v for k, v in values.items()}}
-        if nonfinite:
-            record["nonfinite"] = nonfinite
+        record = {"step": step, "time": time.time(), **values, **dict.fromkeys(nonfinite)}
+        record |= {"nonfinite": nonfinite} if nonfinite else {}
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         if self._tb is not None:
@@ -123,9 +102,11 @@ class Tracker:
             self._wandb.log(values, step=step)
         if self._mlflow is not None:
             self._mlflow.log_metrics({_mlflow_key(k): float(v) for k, v in values.items()}, step=step)
-        if self._bar is not None:
+        if self._bar is not None:       # postfix e.g. 'reward=0.41 loss=0.0123 | gen=12.3 train=4.56'
+            main = [f"{k.split('/')[0]}={values[k]:.3g}" for k in ("reward/mean", "loss") if k in values]
+            times = [f"{k[5:]}={v:.3g}" for k, v in values.items() if k.startswith("time/")]
             self._bar.n = step
-            self._bar.set_postfix_str(_postfix(values), refresh=True)
+            self._bar.set_postfix_str(" | ".join(p for p in (" ".join(main), " ".join(times)) if p))
 
     def close(self) -> None:
         for obj, method in ((self._bar, "close"), (self._tb, "close"), (self._wandb, "finish"),
@@ -134,39 +115,24 @@ class Tracker:
                 getattr(obj, method)()
         self._file = self._bar = self._tb = self._wandb = self._mlflow = None
 
-    def __enter__(self):
-        return self
-
     def __exit__(self, *exc):
         self.close()
-
-
-def _postfix(values: dict) -> str:
-    """'reward=0.41 loss=0.0123 | gen=12.3 train=4.56' from reward/mean, loss and time/* keys."""
-    main = [f"{k.split('/')[0]}={values[k]:.3g}" for k in ("reward/mean", "loss") if k in values]
-    times = [f"{k[5:]}={v:.3g}" for k, v in values.items() if k.startswith("time/")]
-    return " | ".join(p for p in (" ".join(main), " ".join(times)) if p)
 
 
 def read_metrics(jsonl_path) -> list[dict]:
     """The records of a metrics.jsonl (a run dir works too); a torn last line is skipped."""
     path = Path(jsonl_path) / "metrics.jsonl" if Path(jsonl_path).is_dir() else Path(jsonl_path)
     lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    records = []
-    for i, line in enumerate(lines):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i != len(lines) - 1:     # only a crash mid-write may leave a broken last line
-                raise
-    return records
+    records = [json.loads(ln) for ln in lines[:-1]]
+    try:
+        return records + [json.loads(ln) for ln in lines[-1:]]
+    except json.JSONDecodeError:        # only a crash mid-write may leave a broken last line
+        return records
 
 
 def plot_metrics(jsonl_path, out_png, *, keys=None) -> Path:
-    """One PNG: a subplot of reward/* curves, one of time/* curves, one per extra key in `keys`.
-    Uses matplotlib's Figure (Agg canvas) directly: headless, and leaves pyplot's backend alone."""
+    """One PNG: a subplot of reward/* curves, one of time/* curves, one per extra key in `keys` (headless)."""
     from matplotlib.figure import Figure
-
     records = read_metrics(jsonl_path)
     names = sorted({k for r in records for k in r if k not in RESERVED})
     panels = [(t, [k for k in names if k.startswith(t + "/")]) for t in ("reward", "time")]
@@ -191,11 +157,10 @@ def plot_metrics(jsonl_path, out_png, *, keys=None) -> Path:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m minirl.tracking")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("plot", help="reward and timing curves of a run as a PNG")
-    p.add_argument("path", help="a run dir or its metrics.jsonl")
-    p.add_argument("--out", help="PNG path (default: metrics.png next to the JSONL)")
-    p.add_argument("--keys", nargs="*", default=None, help="extra metric keys to plot")
+    ap.add_argument("cmd", choices=["plot"], help="plot: reward and timing curves of a run as a PNG")
+    ap.add_argument("path", help="a run dir or its metrics.jsonl")
+    ap.add_argument("--out", help="PNG path (default: metrics.png next to the JSONL)")
+    ap.add_argument("--keys", nargs="*", default=None, help="extra metric keys to plot")
     args = ap.parse_args(argv)
     jsonl = Path(args.path) / "metrics.jsonl" if Path(args.path).is_dir() else Path(args.path)
     print(plot_metrics(jsonl, args.out or jsonl.with_name("metrics.png"), keys=args.keys))
