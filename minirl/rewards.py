@@ -12,7 +12,6 @@ import logging
 import math
 import os
 import re
-import secrets
 import shutil
 import subprocess
 import sys
@@ -46,9 +45,8 @@ def _last_boxed(text: str) -> str | None:
 
 
 def extract_answer(text: str, *, fallback_last_number: bool = True) -> str | None:
-    """The final answer in `text`, stripped, not normalized: the last complete `\\boxed{}` (an
-    unclosed one, cut off by max_tokens, is skipped), else the rest of the line after the last
-    `####` (may be ""), else if `fallback_last_number` the last number (`1,000`, `-2.5`, `3/4`)."""
+    """The final answer, stripped: the last complete `\\boxed{}` (unclosed, e.g. cut by max_tokens: skipped),
+    else the line after the last `####` (may be ""), else if `fallback_last_number` the last number."""
     if (box := _last_boxed(text)) is not None:
         return box.strip()
     if marks := re.findall(r"####[ \t]*([^\n]*)", text):
@@ -67,8 +65,7 @@ def _normalize(s: str) -> str:
 
 
 def _to_sympy(s: str):
-    """Sympy value of a normalized answer (plain or LaTeX `\\frac \\sqrt \\pi \\cdot ^{}`); None if not
-    plain math or if its exponents multiply past 10**4 (`9^{9^{9}}` must not hang)."""
+    """Sympy value of a normalized answer; None if not plain math or exponents multiply past 10**4."""
     import sympy
     from sympy.parsing import sympy_parser as sp
     s = re.sub(r"\\cdot|\\times", "*", re.sub(r"\\[dt]frac", r"\\frac", s)).replace("\\pi", " pi ")
@@ -94,9 +91,8 @@ def _to_sympy(s: str):
 
 
 def math_equal(a: str, b: str) -> bool:
-    """Whether two final answers have the same value, after `_normalize` (`$5` = `5 cm` = `x = 5`;
-    `50%` = `50` as GSM8K writes percentages): as strings, spaces ignored, else as sympy values:
-    exact when rational (`0.5` = `\\frac{1}{2}`, `0.33` != `1/3`), to 20 digits when irrational,
+    """Same value after `_normalize` (`$5` = `5 cm` = `x = 5`, `50%` = `50`): equal strings (spaces ignored)
+    or sympy values, exactly when rational (`0.5` = `\\frac{1}{2}`, `0.33` != `1/3`), else to 20 digits,
     symbols at two fixed rationals (`x^2+2x+1` = `(x+1)^2`). Empty or over 500 characters: False."""
     if len(a) > 500 or len(b) > 500 or not (a := _normalize(a)) or not (b := _normalize(b)):
         return False
@@ -208,24 +204,22 @@ def run_code(code: str, tests: str | list[str], *, timeout_s: float = 5.0, memor
     tests = _check_tests(tests)
     if not isinstance(code, str):
         raise TypeError(f"code must be a str, got {type(code).__name__}")
-    nonce = secrets.token_hex(16)
+    nonce = os.urandom(16).hex()
     limits = [("RLIMIT_AS", memory_mb << 20), ("RLIMIT_CPU", math.ceil(timeout_s) + 1),
               ("RLIMIT_NPROC", 64), ("RLIMIT_FSIZE", 4 << 20), ("RLIMIT_CORE", 0)]
     job = json.dumps({"code": code, "tests": tests, "nonce": nonce, "limits": limits}).encode()
     with tempfile.TemporaryDirectory(prefix="minirl-code-", ignore_cleanup_errors=True) as tmp:
         out, err = os.path.join(tmp, ".stdout"), os.path.join(tmp, ".stderr")
         with open(out, "wb") as fo, open(err, "wb") as fe, subprocess.Popen(
-                [*_netns_prefix(), sys.executable, "-I", "-c", _HARNESS], cwd=tmp,
-                env={"PATH": os.defpath}, stdin=subprocess.PIPE, stdout=fo, stderr=fe,
-                start_new_session=True) as proc:     # on exit: closes stdin, waits
+                [*_netns_prefix(), sys.executable, "-I", "-c", _HARNESS], cwd=tmp, env={"PATH": os.defpath},
+                stdin=subprocess.PIPE, stdout=fo, stderr=fe, start_new_session=True) as proc:  # exit waits
             with contextlib.suppress(subprocess.TimeoutExpired):  # the code finds the job at its stdin's end
                 proc.communicate(job, timeout=timeout_s)
             timed_out = proc.returncode is None
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, 9)      # also ends whatever the code left in its process group
         with open(out, errors="replace") as fo, open(err, errors="replace") as fe:
-            reports = [json.loads(ln[len(nonce):]) for ln in fo  # whole lines only
-                       if ln.startswith(nonce) and ln.endswith("\n")]
+            reports = [json.loads(ln[len(nonce):]) for ln in fo if ln.startswith(nonce) and ln.endswith("\n")]
             stderr = fe.read()[-2000:]
     status, passed = reports[-1] if reports else ("crash", 0)
     if timed_out or proc.returncode == -24:     # SIGXCPU: the CPU time limit
@@ -278,7 +272,4 @@ def combine(*pairs):
                 and isinstance(pair[1], (int, float)) and math.isfinite(pair[1])):
             raise TypeError(f"combine takes (reward_fn, finite weight) pairs, got {pair!r}; "
                             f"e.g. combine((gsm8k_reward, 1.0), (my_format_fn, 0.1))")
-
-    def reward_fn(*args) -> float:
-        return float(sum(w * fn(*args) for fn, w in pairs))
-    return reward_fn
+    return lambda *args: float(sum(w * fn(*args) for fn, w in pairs))
