@@ -291,50 +291,36 @@ class Trainer:
 
     def measure_peak(self) -> int:
         """Bytes allocated (CUDA) at the peak of one forward_backward over a full micro-batch of
-        random tokens, plus the AdamW state the first step adds. Without recomputation a quarter
-        micro-batch is tried first and scaled up (activations grow with tokens), so the trial
-        never fills the device; with activation_checkpointing None, recomputation is turned on
-        when the full micro-batch would not fit without it. Leaves no gradients behind;
-        MemoryError when it does not fit at all."""
-        n, dev, cfg = self.config.micro_batch_tokens, self.device, self.config
-        limit, base = torch.cuda.mem_get_info(dev)[1] * 0.95, torch.cuda.memory_allocated(dev)
-        adam = self.unallocated_optimizer_bytes()
-        if not cfg.activation_checkpointing:
-            quarter = self._trial_peak(max(1, n // 4))
-            if quarter is not None and base + 4 * (quarter - base) + adam <= limit:
-                full = self._trial_peak(n)
-                if full is not None and full + adam <= limit:
-                    return full + adam
-            if cfg.activation_checkpointing is False:
-                raise MemoryError(f"one micro-batch of {n} tokens does not fit in training memory on "
-                                  f"{torch.cuda.get_device_name(dev)} without activation checkpointing: "
-                                  "lower micro_batch_tokens or set activation_checkpointing=True (or None)")
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        full = self._trial_peak(n)
-        if full is None or full + adam > limit:
-            raise MemoryError(f"one micro-batch of {n} tokens does not fit in training memory on "
-                              f"{torch.cuda.get_device_name(dev)} even with activation checkpointing: "
-                              "lower micro_batch_tokens, or use more GPUs")
-        return full + adam
-
-    def _trial_peak(self, n: int) -> int | None:
-        """Peak bytes allocated by one forward_backward over n random tokens; None when it ran
-        out of memory."""
+        random tokens, plus the AdamW state the first step adds. With activation_checkpointing
+        None, turns recomputation on when that micro-batch does not fit without it. Leaves no
+        gradients behind; MemoryError when it does not fit at all."""
         from minirl.data import Rollout
-        ids = torch.randint(0, self.model.config.vocab_size, (n + 1,), generator=torch.Generator().manual_seed(0))
+        n, dev = self.config.micro_batch_tokens, self.device
+        ids = torch.randint(0, self.model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
         dummy = Rollout(prompt_ids=ids[:1].tolist(), completion_ids=ids[1:].tolist(), reward=0.0,
-                        sampling_logprobs=[0.0] * n, device=str(self.device))
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        try:
-            self.forward_backward([dummy], lambda lp, mb, logits: (-lp, {}))
-            peak = torch.cuda.max_memory_allocated(self.device)
-        except torch.cuda.OutOfMemoryError:
-            peak = None
-            reshard(self.model)
-        self.optimizer.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()
-        return peak
+                        sampling_logprobs=[0.0] * (n - 1), device=str(dev))
+        adam = self.unallocated_optimizer_bytes()
+        for recompute in (False, True):
+            if recompute:
+                if self.config.activation_checkpointing is not None:
+                    break
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+            try:
+                self.forward_backward([dummy], lambda lp, mb, logits: (-lp, {}))
+                peak = torch.cuda.max_memory_allocated(dev) + adam
+            except torch.cuda.OutOfMemoryError:
+                peak = None
+                reshard(self.model)
+            self.optimizer.zero_grad(set_to_none=True)
+            if peak is not None and peak <= torch.cuda.mem_get_info(dev)[1] * 0.95:
+                torch.cuda.empty_cache()
+                return peak
+        raise MemoryError(f"one micro-batch of {n} tokens does not fit in training memory on "
+                          f"{torch.cuda.get_device_name(dev)} (activation checkpointing "
+                          f"{'on' if recompute else 'off'}): lower micro_batch_tokens"
+                          + ("" if recompute else " or set activation_checkpointing=True"))
 
     # -- weights ----------------------------------------------------------------------------------
 
