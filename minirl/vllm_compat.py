@@ -108,7 +108,8 @@ def weight_update(llm: LLM):
             for bucket in buckets:      # [(hf_name, tensor), ...] grouped by layer
                 load(bucket)            # load.loaded: every parameter name vLLM accepted"""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload, get_layerwise_info,
+                                                         initialize_layerwise_reload)
     worker = get_worker(llm)
     model = worker.get_model()
     direct = not ON_CPU and worker.model_config.quantization is None
@@ -120,10 +121,17 @@ def weight_update(llm: LLM):
         if direct and os.environ.get("MINIRL_LAYERWISE_RELOAD") != "1":
             yield load
             return
+        seen: set[int] = set()       # layers with no parameter of their own (rotary caches, a tied lm_head)
+        unsent = [m for m in model.modules() if not [seen.add(id(p)) for p in m.parameters(recurse=False)
+                                                     if id(p) not in seen]]
         initialize_layerwise_reload(model)
         try:
             yield load
         finally:
+            for m in unsent:         # get nothing by design: without this vLLM logs "<Layer>: Failed to load
+                info = get_layerwise_info(m)   # weights" before restoring their tensors (tied: rebuilt below)
+                if info.can_load() and info.load_numel == 0:
+                    info.load_numel_total = 0
             finalize_layerwise_reload(model, worker.model_config)
             _reprocess_tied(model)
 
@@ -183,3 +191,23 @@ def shutdown(llm: LLM) -> None:
     core = getattr(llm.llm_engine, "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
         core.shutdown()
+
+
+# -- the engine's request loop (minirl.episodes): LLMEngine.add_request / step / abort_request, the
+# same calls in 0.22 and 0.32 (0.32 appends a random suffix to its internal id; outputs carry ours).
+
+def add_request(llm: LLM, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+    llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=token_ids), params)
+
+
+def engine_step(llm: LLM) -> list:
+    """One engine step: the RequestOutputs it produced (finished ones have .finished)."""
+    return llm.llm_engine.step()
+
+
+def abort_requests(llm: LLM, request_ids: list[str]) -> None:
+    llm.llm_engine.abort_request(list(request_ids))
+
+
+def max_model_len(llm: LLM) -> int:
+    return int(llm.llm_engine.model_config.max_model_len)

@@ -1,0 +1,342 @@
+"""Episodes: multi-turn, tool-using generation, token in / token out, on one continuously batched
+vLLM engine. Single-turn generation is the one-turn episode of the same path. Hardware: CPU or GPU.
+
+An episode is user code, an `async def episode(ep) -> reward` that alternates generation and
+environment steps on an `Episode`, which holds the token context:
+
+    async def episode(ep):                      # ep.prompt / ep.metadata / ep.uid: the task
+        turn = await ep.generate()              # the engine consumes ep.token_ids, samples a turn
+        obs = await ep.call(my_tool, turn.text) # a tool call with a timeout (sync: in a thread)
+        ep.add_messages([{"role": "tool", "content": obs}])   # or ep.append(token_ids)
+        turn = await ep.generate()
+        return 1.0 if ... else 0.0              # the final reward (ep.turn_rewards: per turn)
+
+    batches = run_episodes(llm, episode, prompts, group_size=8, metadata=answers)   # RolloutBatches
+
+How it works. `EpisodeRunner` owns an engine and runs an asyncio loop: `ep.generate()` adds one
+request (`LLMEngine.add_request`) whose prompt is exactly the episode's tokens so far; the runner
+steps the engine, resolves each finished request's future, and yields to the event loop between
+steps, so tool calls overlap generation and a finished turn's next request enters at the next step
+(no batch barrier). Between steps is also where an in-flight weight load goes: every turn records
+the runner's `policy_version` when it was submitted and when it finished.
+
+Token in, token out. The context only grows: sampled ids are appended as the engine produced them
+(loss_mask 1, their sampling log-probs), environment ids as given (loss_mask 0); nothing is ever
+re-tokenized. Chat messages are rendered incrementally: the template of [BASE + new] minus the
+template of BASE (a fixed one-exchange conversation, cut after its end-of-turn token), so a
+template that rewrites earlier turns (Qwen3 drops `<think>...</think>` from past assistant turns)
+never touches the tokens already sampled: they are trained exactly as sampled.
+
+Endings (`Rollout.finish_reason`): "stop" (the episode returned), "max_turns" / "max_model_len"
+(a `generate` past EpisodeConfig.max_turns or with no room left: the episode ends there, its
+reward is what `on_limit` returns, default 0), "error" (the episode raised, a tool timed out and
+was not caught, or it ran past `episode_timeout_s`; on_error="raise" stops the run naming the
+episode and its task, "record" keeps it with `error_reward` and the error in `info["error"]`).
+No episode is ever dropped. The Rollout's prompt is the context before the first sampled token,
+its completion everything after (trailing environment tokens, which no loss sees, are cut).
+Tests: tests/test_episodes.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Any, Awaitable, Callable, Sequence
+
+from minirl.data import Rollout, RolloutBatch, _check_reward
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpisodeConfig:
+    max_turns: int = 8
+    """generate() calls per episode at most; one more ends the episode with "max_turns"."""
+    tool_timeout_s: float = 30.0
+    """Default timeout of one ep.call(...); a timeout raises ToolTimeout inside the episode."""
+    episode_timeout_s: float = 600.0
+    """Wall-clock limit of one episode (generation included); past it the episode is an error."""
+    on_error: str = "raise"
+    """"raise": an episode error stops the run naming the episode and task; "record": kept with
+    error_reward, finish_reason "error" and info["error"]."""
+    error_reward: float = 0.0
+    limit_reward: float = 0.0
+    """Reward of an episode ended by max_turns / max_model_len (unless its on_limit returns one)."""
+    max_concurrent: int | None = None
+    """Episodes in flight at once (None: all); the engine's max_num_seqs bounds what runs."""
+
+
+class ToolTimeout(TimeoutError):
+    """An ep.call(...) ran past its timeout."""
+
+
+class EpisodeEnd(Exception):
+    """Raised by ep.generate() when the episode may not generate again (turn limit, context full)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class Turn:
+    """One sampled turn: token ids exactly as the engine produced them, their log-probs."""
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None        # vLLM's: "stop", "length"
+    versions: tuple[int, int]        # the runner's policy version at submission and at finish
+    text: str = ""
+
+
+class Episode:
+    """The token context of one episode and its verbs; made by EpisodeRunner, used by episode code."""
+
+    def __init__(self, runner: "EpisodeRunner", prompt, metadata, uid, index: int, prompt_ids: list[int],
+                 seed: int | None):
+        self.runner, self.prompt, self.metadata, self.uid, self.index = runner, prompt, metadata, uid, index
+        self.token_ids: list[int] = list(prompt_ids)     # everything the engine will consume
+        self.loss_mask: list[int] = [0] * len(prompt_ids)
+        self.logprobs: list[float] = [0.0] * len(prompt_ids)
+        self.turns: list[Turn] = []
+        self.turn_rewards: list[float] = []
+        self.info: dict = {}
+        self._seed = seed
+
+    @property
+    def name(self) -> str:
+        return f"episode {self.index} of prompt uid={self.uid!r} ({str(self.prompt)[:60]!r})"
+
+    async def generate(self, **sampling) -> Turn:
+        """Sample one turn from the whole context (SamplingParams kwargs override the runner's;
+        max_tokens is cut to the room left). Raises EpisodeEnd at the turn limit or a full context."""
+        r = self.runner
+        if len(self.turns) >= r.config.max_turns:
+            raise EpisodeEnd("max_turns")
+        room = r.max_model_len - len(self.token_ids)
+        if room < 1:
+            raise EpisodeEnd("max_model_len")
+        kw = {**r.sampling, **sampling}
+        kw["max_tokens"] = min(kw.get("max_tokens") or room, room)
+        if self._seed is not None and "seed" not in sampling:
+            kw["seed"] = self._seed + 7919 * len(self.turns)
+        v0 = r.policy_version
+        ids, lps, reason = await r.submit(self.token_ids, kw)
+        turn = Turn(ids, lps, reason, (v0, r.policy_version), r.decode(ids))
+        self.token_ids += ids
+        self.loss_mask += [1] * len(ids)
+        self.logprobs += lps
+        self.turns.append(turn)
+        return turn
+
+    def append(self, token_ids: Sequence[int]) -> None:
+        """Append environment / tool / template tokens (loss_mask 0): the engine consumes them next turn."""
+        ids = [int(t) for t in token_ids]
+        self.token_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+    def add_text(self, text: str) -> list[int]:
+        """Tokenize text alone (no special tokens) and append it; returns the ids."""
+        ids = self.runner.tokenizer.encode(text, add_special_tokens=False)
+        self.append(ids)
+        return ids
+
+    def add_messages(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        """Render only these new chat messages with the tokenizer's template (see the module
+        docstring) and append them; if the last sampled turn did not end with EOS, EOS comes first."""
+        tok = self.runner.tokenizer
+        ids = chat_delta(tok, messages, add_generation_prompt=add_generation_prompt)
+        if self.turns and tok.eos_token_id is not None and self.token_ids[-1] != tok.eos_token_id:
+            ids = [tok.eos_token_id] + ids
+        self.append(ids)
+        return ids
+
+    async def call(self, fn: Callable, *args, timeout_s: float | None = None, **kwargs):
+        """Run a tool: an async function awaited, a sync one in a thread, either with a timeout
+        (default EpisodeConfig.tool_timeout_s); raises ToolTimeout naming the tool and this episode."""
+        timeout = self.runner.config.tool_timeout_s if timeout_s is None else timeout_s
+        aw = fn(*args, **kwargs) if inspect.iscoroutinefunction(fn) else asyncio.to_thread(fn, *args, **kwargs)
+        try:
+            return await asyncio.wait_for(aw, timeout)
+        except asyncio.TimeoutError as e:
+            raise ToolTimeout(f"tool {getattr(fn, '__name__', fn)!r} ran past {timeout} s in {self.name}") from e
+
+    def to_rollout(self, reward: float, finish_reason: str, device: str = "cpu") -> Rollout:
+        """The Rollout: prompt = the context before the first sampled token, completion = the rest up
+        to the last sampled token; loss_mask 1 exactly on sampled tokens, log-probs aligned."""
+        first = self.loss_mask.index(1) if self.turns and any(self.loss_mask) else len(self.token_ids)
+        last = max((i for i, m in enumerate(self.loss_mask) if m), default=len(self.token_ids) - 1) + 1
+        first = max(1, min(first, last))          # a causal LM needs >= 1 prompt token
+        versions = [t.versions for t in self.turns]
+        return Rollout(
+            prompt_ids=self.token_ids[:first], completion_ids=self.token_ids[first:last],
+            sampling_logprobs=self.logprobs[first:last], loss_mask=self.loss_mask[first:last],
+            reward=reward, finish_reason=finish_reason,
+            policy_version=min((v[0] for v in versions), default=self.runner.policy_version),
+            prompt=self.prompt if isinstance(self.prompt, str) else None,
+            completion="".join(t.text for t in self.turns), uid=self.uid, device=device,
+            info={"turns": len(self.turns), "turn_versions": versions, "turn_rewards": list(self.turn_rewards),
+                  "turn_finish": [t.finish_reason for t in self.turns], **self.info})
+
+
+def chat_delta(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of `messages` as they continue a conversation whose last turn ended with EOS:
+    template(BASE + messages) minus template(BASE) cut after its last EOS, tokenized alone."""
+    base = [{"role": "user", "content": "0"}, {"role": "assistant", "content": "0"}]
+    render = lambda ms, gen: tokenizer.apply_chat_template(ms, tokenize=False, add_generation_prompt=gen)
+    head, full = render(base, False), render(base + list(messages), add_generation_prompt)
+    eos = tokenizer.eos_token or ""
+    cut = head.rfind(eos) + len(eos) if eos and eos in head else len(head)
+    if not full.startswith(head[:cut]):
+        raise ValueError("the chat template renders earlier messages differently once new ones follow, so "
+                         "incremental rendering cannot be exact: render these turns yourself and use ep.append")
+    return tokenizer.encode(full[cut:], add_special_tokens=False)
+
+
+EpisodeFn = Callable[[Episode], Awaitable[float]]
+
+
+def single_turn(reward_fn: Callable) -> EpisodeFn:
+    """The one-turn episode: generate once, score with reward_fn(prompt, completion[, metadata])
+    (minirl's reward_fn contract). What today's batch generation was, on the episode path."""
+    async def episode(ep: Episode) -> float:
+        turn = await ep.generate()
+        args = (ep.prompt, turn.text) if ep.metadata is None else (ep.prompt, turn.text, ep.metadata)
+        return reward_fn(*args)
+    return episode
+
+
+class EpisodeRunner:
+    """Runs many episodes at once on one vLLM engine (continuous batching). `llm`: a vllm.LLM
+    (minirl's ManagedLLM or plain); `sampling`: SamplingParams kwargs for every turn (logprobs 0
+    forced, detokenize off: turns are decoded once by the tokenizer)."""
+
+    def __init__(self, llm, *, sampling: dict | None = None, config: EpisodeConfig = EpisodeConfig()):
+        from minirl import vllm_compat as vc
+        self.vc, self.llm, self.config = vc, llm, config
+        self.sampling = {"temperature": 1.0, **(sampling or {}), "logprobs": 0, "detokenize": False, "n": 1}
+        self.tokenizer = llm.get_tokenizer()
+        self.max_model_len = vc.max_model_len(llm)
+        self.policy_version = 0        # set by the owner when it loads weights (between steps)
+        self.stats = {"steps": 0, "requests": 0, "episodes": 0, "errors": 0, "limits": 0}
+        self._ids = count()
+        self._futures: dict[str, asyncio.Future] = {}
+        self._work: asyncio.Event | None = None
+        self.between_steps: Callable[[], None] | None = None   # e.g. an in-flight weight load
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def prompt_ids(self, prompt) -> list[int]:
+        """Token ids of a prompt: ids as given, a str as vLLM tokenizes it, chat messages by the template."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if prompt and isinstance(prompt[0], dict):
+            return self.tokenizer.apply_chat_template(list(prompt), tokenize=True, add_generation_prompt=True,
+                                                      return_dict=False)
+        return [int(t) for t in prompt]
+
+    async def submit(self, token_ids: list[int], sampling: dict) -> tuple[list[int], list[float], str]:
+        """One request; resolves to (sampled ids, their log-probs, finish reason) when it finishes."""
+        rid = str(next(self._ids))
+        fut = asyncio.get_running_loop().create_future()
+        self._futures[rid] = fut
+        self.vc.add_request(self.llm, rid, list(token_ids), self.vc.SamplingParams(**sampling))
+        self.stats["requests"] += 1
+        self._work.set()
+        try:
+            return await fut
+        finally:
+            if self._futures.pop(rid, None) is not None:     # cancelled (episode timeout): free the engine
+                self.vc.abort_requests(self.llm, [rid])
+
+    def _step(self) -> None:
+        for out in self.vc.engine_step(self.llm):
+            fut = self._futures.pop(out.request_id, None) if out.finished else None
+            if fut is not None and not fut.done():
+                c = out.outputs[0]
+                fut.set_result((list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)],
+                                c.finish_reason))
+        self.stats["steps"] += 1
+
+    def run(self, episode: EpisodeFn, prompts: Sequence, *, group_size: int = 1, metadata: Sequence | None = None,
+            uids: Sequence | None = None, seed: int | None = None, device: str = "cpu") -> list[RolloutBatch]:
+        """group_size episodes per prompt, all at once; one RolloutBatch per prompt, in order.
+        seed: episode k's turns sample with seeds derived from seed + k (reproducible runs)."""
+        for name, seq in (("metadata", metadata), ("uids", uids)):
+            if seq is not None and len(seq) != len(prompts):
+                raise ValueError(f"{len(seq)} {name} entries for {len(prompts)} prompts: give one per prompt")
+        check = getattr(self.llm, "_minirl_check", None)
+        if check is not None:
+            check()                                    # e.g. WeightManager: the engine is awake
+        eps = [Episode(self, p, None if metadata is None else metadata[i], i if uids is None else uids[i],
+                       i * group_size + g, self.prompt_ids(p), None if seed is None else seed + i * group_size + g)
+               for i, p in enumerate(prompts) for g in range(group_size)]
+        rollouts = asyncio.run(self._run_all(episode, eps, device))
+        return [RolloutBatch(rollouts[i:i + group_size], uid=eps[i].uid)
+                for i in range(0, len(rollouts), group_size)]
+
+    async def _run_all(self, episode: EpisodeFn, eps: list[Episode], device: str) -> list[Rollout]:
+        self._work = asyncio.Event()
+        limit = asyncio.Semaphore(self.config.max_concurrent or len(eps) or 1)
+        tasks = [asyncio.create_task(self._one(episode, ep, limit, device)) for ep in eps]
+        try:
+            while not all(t.done() for t in tasks):
+                if any(t.done() and t.exception() is not None for t in tasks):
+                    break                              # on_error="raise": stop at the first error
+                if self._futures:
+                    self._step()
+                    if self.between_steps is not None:
+                        self.between_steps()
+                    await asyncio.sleep(0)             # episodes run: tool calls, next turns enter
+                else:                                  # every episode is in a tool call or done
+                    self._work.clear()
+                    waiter = asyncio.create_task(self._work.wait())
+                    await asyncio.wait([waiter, *(t for t in tasks if not t.done())],
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
+            return [t.result() for t in tasks]         # re-raises an episode error under on_error="raise"
+        finally:
+            for t in tasks:
+                t.cancel()
+            if self._futures:                          # a failed run leaves nothing in the engine
+                self.vc.abort_requests(self.llm, list(self._futures))
+                self._futures.clear()
+
+    async def _one(self, episode: EpisodeFn, ep: Episode, limit: asyncio.Semaphore, device: str) -> Rollout:
+        async with limit:
+            t0 = time.perf_counter()
+            try:
+                reward, reason = await asyncio.wait_for(episode(ep), self.config.episode_timeout_s), "stop"
+            except EpisodeEnd as end:
+                reward, reason = self.config.limit_reward, end.reason
+                self.stats["limits"] += 1
+            except Exception as e:
+                self.stats["errors"] += 1
+                what = (f"ran past episode_timeout_s={self.config.episode_timeout_s}"
+                        if isinstance(e, asyncio.TimeoutError) else f"raised {type(e).__name__}: {e}")
+                if self.config.on_error == "raise":
+                    raise RuntimeError(f"{ep.name} {what} (after {len(ep.turns)} turns)") from e
+                ep.info["error"] = what
+                reward, reason = self.config.error_reward, "error"
+            self.stats["episodes"] += 1
+            ep.info["episode_s"] = time.perf_counter() - t0
+            if reward is None and ep.turn_rewards:
+                reward = sum(ep.turn_rewards)
+            try:
+                reward = _check_reward(reward, ep.prompt, "".join(t.text for t in ep.turns))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{ep.name}: {e}") from None
+            return ep.to_rollout(reward, reason, device)
+
+
+def run_episodes(llm, episode: EpisodeFn, prompts: Sequence, *, group_size: int = 1, sampling: dict | None = None,
+                 config: EpisodeConfig = EpisodeConfig(), **kwargs) -> list[RolloutBatch]:
+    """Co-located helper: episodes on `llm` (e.g. WeightManager.as_vllm()), Rollouts stamped with the
+    policy version and device WeightManager recorded on it. kwargs: EpisodeRunner.run's."""
+    runner = EpisodeRunner(llm, sampling=sampling, config=config)
+    stamp = getattr(llm, "minirl_stamp", None) or {}
+    runner.policy_version = stamp.get("policy_version", 0)
+    return runner.run(episode, prompts, group_size=group_size, device=kwargs.pop("device", stamp.get("device", "cpu")),
+                      **kwargs)
