@@ -4,11 +4,16 @@ buffer of finished RolloutBatches (one per prompt) the trainer takes (`take_batc
 those of a too-old policy; staleness bound, policy version, run's end; exactly-once accounting:
 
       pending -> leased -> buffered -> delivered
-         ^--------'---------'   (worker lost / batch too stale)
+         ^--------'---------'-----------'   (worker lost / batch too stale / trainer rolled back)
+                    '-> failed               (its request failed: fail_prompts)
 
 A batch for a uid already buffered or delivered (a restarted worker finishing a prompt twice) is
-dropped, counted in "duplicates". actors/queue.py wraps a hub in an async Ray actor with blocking
-calls. Tests: `pytest tests/test_hub.py`. Hardware: CPU (any).
+dropped, counted in "duplicates". A prompt whose request fails is never retried: on_failure="stop"
+(default) ends the run, the trainer's next take_batches raising the cause; "skip" records it in
+failures() and goes on. rollback() resumes a restored trainer: what it did not train comes back,
+and batches of weights newer than its checkpoint (which no trainer holds) are refused.
+actors/queue.py wraps a hub in an async Ray actor with blocking calls. Tests: `pytest
+tests/test_hub.py`. Hardware: CPU (any).
 """
 
 from __future__ import annotations
@@ -32,24 +37,37 @@ class PromptItem:
 class RolloutHub:
     """Prompt pool + bounded rollout buffer + exactly-once accounting; not thread-safe (one owner)."""
 
-    def __init__(self, max_batches: int, *, model_id: str | None = None, name: str = "hub"):
+    def __init__(self, max_batches: int, *, model_id: str | None = None, name: str = "hub",
+                 on_failure: str = "stop"):
         if int(max_batches) < 1:
             raise ValueError(f"max_batches must be >= 1, got {max_batches}")
+        if on_failure not in ("stop", "skip"):
+            raise ValueError(f"on_failure={on_failure!r}: choose 'stop' (a failed prompt ends the run) "
+                             "or 'skip' (it is recorded in failures() and the run goes on)")
+        self.on_failure = on_failure
         self.max_batches = int(max_batches)
         self.model_id, self.name = model_id, name    # name: for error messages (the queue actor's)
         self._items: dict[Any, PromptItem] = {}          # every uid not yet delivered
         self._pending: OrderedDict[Any, None] = OrderedDict()   # FIFO; front = next out
         self._leases: dict[Any, str] = {}                # uid -> worker_id, in lease order
         self._buffer: OrderedDict[Any, RolloutBatch] = OrderedDict()  # FIFO of finished batches
-        self._delivered: set = set()
+        self._delivered: dict[Any, PromptItem | None] = {}   # kept for rollback (None: restored)
+        self._failed: dict[Any, str] = {}                # uid -> why its request failed
+        self.error: str | None = None                    # on_failure="stop": the failure that ends the run
+        self._orphaned: list[tuple[int, int]] = []       # (lo, hi]: versions of a trainer that died
+        self._top_version = 0
         self._closed = self.trainer_done = False   # trainer_done: it synced its last batch (the end)
-        self._recycled_stale = self._duplicates = self._version = 0
+        self._recycled_stale = self._duplicates = self._version = self._rolled_back = 0
         self._weights: Any = None
         self._workers: dict[str, Any] = {}
         self.max_staleness: int | None = None   # set by the trainer; see take_prompts, take_batches
 
-    def _known(self, uid) -> bool:     # pending, leased, buffered or delivered
-        return uid in self._items or uid in self._delivered
+    def _known(self, uid) -> bool:     # pending, leased, buffered, delivered or failed
+        return uid in self._items or uid in self._delivered or uid in self._failed
+
+    def _orphan(self, version: int | None) -> bool:
+        """Weights of this version came from a trainer that died after its last checkpoint."""
+        return version is not None and any(lo < version <= hi for lo, hi in self._orphaned)
 
     def add_prompts(self, items: list[PromptItem], *, skip_known: bool = False) -> int:
         """Append prompts to the pending pool, all or none; returns how many. skip_known skips
@@ -80,7 +98,7 @@ class RolloutHub:
     def restore(self, delivered: list, buffered: list) -> None:
         """Resume from a checkpoint: `delivered` uids are never issued again; `buffered`
         [(PromptItem, RolloutBatch)] go back into the buffer as they were."""
-        self._delivered.update(delivered)
+        self._delivered.update(dict.fromkeys(u for u in delivered if u not in self._delivered))
         for item, batch in buffered:
             if self._known(item.uid):
                 raise ValueError(f"restore: prompt uid {item.uid!r} is already known to the queue")
@@ -102,9 +120,13 @@ class RolloutHub:
     def take_prompts(self, worker_id: str, k: int, version: int | None = None) -> list[PromptItem] | None:
         """Lease up to k pending prompts (oldest first, as copies) to `worker_id`; [] when none are
         pending; None, leasing nothing, when its weights' `version` lags more than max_staleness."""
+        if self._pending and self._orphan(version):
+            return None
         if (self._pending and version is not None and self.max_staleness is not None
                 and self._version - version > self.max_staleness):
             return None
+        if self.error is not None:      # the run stops: lease nothing more
+            return []
         uids = [self._pending.popitem(last=False)[0] for _ in range(min(k, len(self._pending)))]
         self._leases.update(dict.fromkeys(uids, worker_id))
         return [replace(self._items[u]) for u in uids]
@@ -141,9 +163,10 @@ class RolloutHub:
                 raise ValueError("RolloutBatch.uid is None: set it to the uid of the PromptItem it answers")
             if len(b) == 0:
                 raise ValueError(f"RolloutBatch for uid {b.uid!r} has no rollouts")
-        before = len(self._buffer)
+        before, orphans = len(self._buffer), [b.uid for b in batches if self._orphan(b.policy_version)]
+        self._requeue_front([u for u in orphans if self._leases.get(u) == worker_id])
         for b in batches:
-            if b.uid in self._items and b.uid not in self._buffer:
+            if b.uid in self._items and b.uid not in self._buffer and b.uid not in orphans:
                 self._leases.pop(b.uid, None)
                 self._pending.pop(b.uid, None)
                 self._buffer[b.uid] = b
@@ -156,6 +179,8 @@ class RolloutHub:
         """The oldest n buffered batches, marked delivered, or None (taking nothing) if fewer. First,
         those of policy_version < min_version (default version - max_staleness) go back to the front
         (recycled_stale). partial_at_end: once prompts are closed, none pending or leased, what's left."""
+        if self.error is not None:
+            raise RuntimeError(self.error)
         if not 1 <= n <= self.max_batches:
             raise ValueError(f"take_batches(n={n}) on a hub with max_batches={self.max_batches}: n must be "
                              "in [1, max_batches] (make the queue at least as big as one training step)")
@@ -168,13 +193,66 @@ class RolloutHub:
             return None
         out = [self._buffer.popitem(last=False)[1] for _ in range(min(n, len(self._buffer)))]
         for b in out:
-            del self._items[b.uid]
-            self._delivered.add(b.uid)
+            self._delivered[b.uid] = self._items.pop(b.uid)
         return out
+
+    def fail_prompts(self, worker_id: str, failures: list) -> int:
+        """[(uid, cause)]: these prompts' requests failed (too long a prompt, reward_fn raised...);
+        never retried. on_failure="stop": the first sets `error`, which take_batches raises (the
+        trainer's side) and which finishes the run; "skip": each is recorded in failures(). Uids
+        not pending or leased (already done elsewhere) are ignored. Returns how many were taken."""
+        taken = 0
+        for uid, cause in failures:
+            if uid not in self._items or uid in self._buffer:
+                continue
+            self._leases.pop(uid, None)
+            self._pending.pop(uid, None)
+            del self._items[uid]
+            self._failed[uid] = str(cause)
+            taken += 1
+            if self.on_failure == "stop" and self.error is None:
+                self.error = (f"rollout queue {self.name}: prompt uid {uid!r} failed on {worker_id}: {cause}. "
+                              "The run stops (on_failure='stop'): fix the prompt, reward_fn or sampling, "
+                              "or build the RolloutServer with on_failure='skip' to record and skip it")
+        return taken
+
+    def failures(self) -> dict:
+        """uid -> cause of every prompt whose request failed."""
+        return dict(self._failed)
+
+    def rollback(self, trained: list, version: int) -> int:
+        """A trainer restored from a checkpoint that trained exactly `trained` at policy `version`:
+        uids delivered since come back (pending, at the front), `trained` ones count as delivered,
+        and weights newer than `version` (made by the lost trainer, held by no trainer now) are
+        orphaned: batches of them are refused and their weights handle dropped. Returns the
+        version the restored trainer publishes next (above every version ever published)."""
+        trained, version = set(trained), int(version)
+        lost = [u for u in self._delivered if u not in trained]
+        if missing := [u for u in lost if self._delivered[u] is None]:
+            raise ValueError(f"rollback: uids {missing[:5]} were restored as trained but the trainer's "
+                             "checkpoint did not train them: resume from the newest checkpoint")
+        for u in lost:
+            self._items[u] = self._delivered.pop(u)
+            self._leases[u] = "rollback"        # requeued below, at the front with attempts + 1
+        for u in trained - self._delivered.keys():
+            self._leases.pop(u, None)
+            self._pending.pop(u, None)
+            self._buffer.pop(u, None)
+            self._delivered[u] = self._items.pop(u, None)
+        if self._top_version > version:
+            self._orphaned.append((version, self._top_version))
+            self._weights = None
+            self._rolled_back += self._requeue_front([u for u, b in self._buffer.items()
+                                                      if self._orphan(b.policy_version)])
+            version = self._top_version + 1
+        self._rolled_back += self.release_worker("rollback")    # delivered earliest: at the very front
+        self._version = self._top_version = max(version, self._top_version)
+        return self._version
 
     def set_version(self, version: int, weights: Any = None) -> None:
         """Publish the trainer's policy version and an opaque handle to its weights (None clears it)."""
         self._version = int(version)
+        self._top_version = max(self._top_version, self._version)
         self._weights = weights
 
     def weights(self) -> tuple[int, Any]:
@@ -201,15 +279,16 @@ class RolloutHub:
                              f"started with model {model_id}")
 
     def finished(self) -> bool:
-        """Prompts are closed and nothing is pending, leased or buffered."""
-        return self._closed and not self._items
+        """Prompts are closed and nothing is pending, leased or buffered; or a failure stops the run."""
+        return (self._closed and not self._items) or self.error is not None
 
     def stats(self) -> dict:
         return {"pending": len(self._pending), "leased": len(self._leases), "buffered": len(self._buffer),
                 "delivered": len(self._delivered), "recycled_stale": self._recycled_stale,
                 "duplicates": self._duplicates, "max_batches": self.max_batches, "version": self._version,
                 "workers": len(self._workers), "closed": self._closed, "max_staleness": self.max_staleness,
-                "trainer_done": self.trainer_done}
+                "trainer_done": self.trainer_done, "failed": len(self._failed), "error": self.error,
+                "rolled_back": self._rolled_back, "on_failure": self.on_failure}
 
 
 __all__ = ["PromptItem", "RolloutHub"]

@@ -38,7 +38,7 @@ def uids(xs):
 
 def invariant(hub: RolloutHub, added: int):
     s = hub.stats()
-    assert s["pending"] + s["leased"] + s["buffered"] + s["delivered"] == added, s
+    assert s["pending"] + s["leased"] + s["buffered"] + s["delivered"] + s["failed"] == added, s
 
 
 def test_lease_put_take_fifo():
@@ -192,12 +192,77 @@ def test_version_and_weights():
     assert hub.weights() == (4, None)
 
 
+def test_failed_prompt_stops_the_run_with_its_cause():
+    hub = RolloutHub(max_batches=4, name="q1")
+    hub.add_prompts(prompts(range(3)))
+    hub.close_prompts()
+    hub.take_prompts("a", 2)
+    assert hub.fail_prompts("a", [(1, "ValueError: prompt is longer than max_model_len")]) == 1
+    assert hub.put_batches("a", [batch(0)]) == 1
+    assert hub.stats()["failed"] == 1 and hub.finished()        # the generators' loops end
+    assert hub.take_prompts("b", 5) == []                       # nothing more is leased
+    with pytest.raises(RuntimeError, match=r"q1: prompt uid 1 failed on a: ValueError: prompt is longer"
+                                           r".*on_failure='skip'"):
+        hub.take_batches(1)
+    assert hub.failures() == {1: "ValueError: prompt is longer than max_model_len"}
+
+
+def test_failed_prompt_skipped_and_recorded():
+    hub = RolloutHub(max_batches=4, on_failure="skip")
+    hub.add_prompts(prompts(range(4)))
+    hub.close_prompts()
+    hub.take_prompts("a", 4)
+    hub.put_batches("a", [batch(0), batch(3)])
+    assert hub.fail_prompts("a", [(1, "reward_fn raised KeyError: 'x'"), (0, "late"), (9, "unknown")]) == 1
+    hub.fail_prompts("b", [(2, "TimeoutError: reward_fn did not return")])
+    assert hub.failures() == {1: "reward_fn raised KeyError: 'x'", 2: "TimeoutError: reward_fn did not return"}
+    assert hub.error is None and uids(hub.take_batches(4, partial_at_end=True)) == [0, 3]
+    assert hub.finished() and hub.stats()["failed"] == 2
+    invariant(hub, 4)
+    with pytest.raises(ValueError, match="choose 'stop'"):
+        RolloutHub(max_batches=1, on_failure="retry")
+
+
+def test_rollback_redelivers_what_the_restored_trainer_did_not_train():
+    hub = RolloutHub(max_batches=8)
+    hub.add_prompts(prompts(range(8)))
+    hub.close_prompts()
+    hub.take_prompts("a", 6, version=0)
+    hub.put_batches("a", [batch(0), batch(1)])
+    assert uids(hub.take_batches(2)) == [0, 1]
+    hub.set_version(1, weights=["v1"])                          # the trainer checkpoints here: [0, 1], v1
+    hub.put_batches("a", [batch(2, 1), batch(3, 1)])
+    assert uids(hub.take_batches(2)) == [2, 3]
+    hub.set_version(2, weights=["v2"])
+    hub.put_batches("a", [batch(4, 2)])                         # weights no restored trainer holds
+    hub.set_version(3, weights=["v3"])                          # ... and the trainer dies
+    assert hub.rollback([0, 1], 1) == 4                         # next version: above every one published
+    assert hub.weights() == (4, None)                           # the lost trainer's refs are gone
+    assert hub.stats()["pending"] == 5 and hub.stats()["rolled_back"] == 3
+    assert hub.put_batches("a", [batch(5, 3)]) == 0             # made with lost weights: refused, requeued
+    assert hub.take_prompts("a", 1, version=3) is None          # an engine on lost weights must reload
+    assert uids(hub.take_prompts("b", 8, version=4)) == [5, 2, 3, 4, 6, 7]
+    hub.put_batches("b", [batch(u, 4) for u in (2, 3, 4, 5, 6, 7)])
+    assert sorted(uids(hub.take_batches(6))) == [2, 3, 4, 5, 6, 7]
+    assert hub.finished() and hub.stats()["delivered"] == 8
+
+
+def test_rollback_on_a_fresh_queue_marks_trained_as_delivered():
+    hub = RolloutHub(max_batches=2)                             # the queue actor restarted empty
+    assert hub.rollback([0, 2], 5) == 5
+    assert hub.add_prompts(prompts(range(4)), skip_known=True) == 2
+    assert uids(hub.take_prompts("a", 4, version=5)) == [1, 3]
+    hub.restore([7], [])
+    with pytest.raises(ValueError, match="did not train them"):
+        hub.rollback([0, 2], 5)                                 # 7 restored as trained, now unknown
+
+
 # ----------------------------------------------------------------------------------------------
 # Exactly-once under random schedules
 
 
 def simulate(seed: int, n_prompts: int = 40, n_workers: int = 3, max_batches: int = 6,
-             step_batches: int = 4, max_lag: int = 1) -> RolloutHub:
+             step_batches: int = 4, max_lag: int = 1, crashes: bool = False) -> RolloutHub:
     rng = random.Random(seed)
     hub = RolloutHub(max_batches=max_batches)
     all_uids = list(range(n_prompts))
@@ -209,6 +274,7 @@ def simulate(seed: int, n_prompts: int = 40, n_workers: int = 3, max_batches: in
     restarts = 0
     delivered = Counter()
     version = 0
+    checkpoint = (Counter(), 0)         # (what the trainer had trained, its version) when it saved
     for _ in range(100_000):
         if hub.finished():
             break
@@ -243,6 +309,12 @@ def simulate(seed: int, n_prompts: int = 40, n_workers: int = 3, max_batches: in
         elif r < 0.7 and zombies:                              # a dead worker's late result
             u, v = zombies.pop(rng.randrange(len(zombies)))
             hub.put_batches("zombie", [batch(u, v)])
+        elif crashes and r < 0.72:                             # the trainer dies, resumes from its checkpoint
+            delivered = Counter(checkpoint[0])
+            version = hub.rollback(list(delivered), checkpoint[1])
+            hub.set_version(version)
+        elif crashes and r < 0.75:
+            checkpoint = (Counter(delivered), version)
         else:                                                  # the trainer steps
             remaining = n_prompts - sum(delivered.values())
             n = max(1, min(step_batches, remaining))
@@ -267,17 +339,23 @@ def test_exactly_once_seeded(seed):
     assert hub.stats()["delivered"] == 40
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_exactly_once_with_trainer_crashes_seeded(seed):
+    hub = simulate(seed, crashes=True)
+    assert hub.stats()["delivered"] == 40
+
+
 def test_exactly_once_exercises_every_path():
     totals = Counter()
     for seed in range(20):
-        s = simulate(seed).stats()
-        totals.update({k: s[k] for k in ("recycled_stale", "duplicates")})
-    assert totals["recycled_stale"] > 0 and totals["duplicates"] > 0
+        s = simulate(seed, crashes=seed % 2 == 1).stats()
+        totals.update({k: s[k] for k in ("recycled_stale", "duplicates", "rolled_back")})
+    assert totals["recycled_stale"] > 0 and totals["duplicates"] > 0 and totals["rolled_back"] > 0
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), n_prompts=st.integers(1, 30),
+@given(seed=st.integers(0, 2**32 - 1), n_prompts=st.integers(1, 30), crashes=st.booleans(),
        n_workers=st.integers(1, 4), max_batches=st.integers(1, 5), max_lag=st.integers(0, 2))
-def test_exactly_once_property(seed, n_prompts, n_workers, max_batches, max_lag):
+def test_exactly_once_property(seed, n_prompts, n_workers, max_batches, max_lag, crashes):
     simulate(seed, n_prompts=n_prompts, n_workers=n_workers, max_batches=max_batches,
-             step_batches=max_batches, max_lag=max_lag)
+             step_batches=max_batches, max_lag=max_lag, crashes=crashes)
