@@ -1,5 +1,6 @@
 """Training-metric logging: `Tracker.log(metrics, step)` goes to a tqdm bar, TensorBoard, W&B or MLflow,
-and always to run_dir/metrics.jsonl, appended (a resumed run continues it): per call "step", unix
+and always to run_dir/metrics.jsonl, appended (a resumed run continues it; with start_step, its records
+of steps >= start_step, logged after the checkpoint it resumes from, are dropped first): per call "step", unix
 "time", then the metrics as plain ints/floats, non-finite ones null with their keys in "nonfinite" (the
 other backends get the raw float). run_dir also holds config.json (the `config` dict) and tb/. Only
 rank 0 writes; CPU, any machine.
@@ -47,7 +48,7 @@ class Tracker(contextlib.AbstractContextManager):
     """Metrics to a tqdm bar, metrics.jsonl, TensorBoard, W&B / MLflow; a no-op on ranks other than 0."""
 
     def __init__(self, run_dir, *, backends=("tensorboard",), total_steps=None, config=None,
-                 project="minirl", run_name=None, console=True, rank=None):
+                 project="minirl", run_name=None, console=True, rank=None, start_step=None):
         backends = (backends,) if isinstance(backends, str) else tuple(backends or ())
         if bad := [b for b in backends if b not in BACKENDS]:
             raise ValueError(f"unknown tracking backend(s) {bad}; valid: {list(BACKENDS)}")
@@ -68,7 +69,13 @@ class Tracker(contextlib.AbstractContextManager):
         config = dict(config or {})
         if config:
             (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        self._file = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        path = self.run_dir / "metrics.jsonl"
+        if start_step is not None and path.exists():     # a resumed run logs these steps again
+            kept = [r for r in read_metrics(path) if r["step"] < start_step]
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept), encoding="utf-8")
+            os.replace(tmp, path)       # a kill right here leaves the old file or the new one whole
+        self._file = open(path, "a", encoding="utf-8")
         if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(str(self.run_dir / "tb"))
@@ -131,11 +138,12 @@ def read_metrics(jsonl_path) -> list[dict]:
 
 
 def plot_metrics(jsonl_path, out_png, *, keys=None) -> Path:
-    """One PNG: a subplot of reward/* curves, one of time/* curves, one per extra key in `keys` (headless)."""
+    """One PNG: a subplot of reward/* curves, one of eval/pass@* curves, one of time/* curves, one per
+    extra key in `keys` (headless)."""
     from matplotlib.figure import Figure
     records = read_metrics(jsonl_path)
     names = sorted({k for r in records for k in r if k not in RESERVED})
-    panels = [(t, [k for k in names if k.startswith(t + "/")]) for t in ("reward", "time")]
+    panels = [(t.strip("/@"), [k for k in names if k.startswith(t)]) for t in ("reward/", "eval/pass@", "time/")]
     panels = [p for p in panels if p[1]] + [(k, [k]) for k in (keys or [])]
     if not panels:
         raise ValueError(f"nothing to plot in {jsonl_path}; keys present: {names}")

@@ -185,3 +185,40 @@ def test_cli_plot(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == str(out)
     assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_resume_drops_the_steps_logged_after_the_checkpoint(tmp_path):
+    """Killed after logging steps 1-4 (and an eval record at 4), resumed from the step-2 checkpoint:
+    steps 3 and 4 are logged again, so the file must hold each step once, in order."""
+    with _tracker(tmp_path) as t:
+        for step in (1, 2, 3, 4):
+            t.log({"loss": float(step)}, step=step)
+        t.log({"eval/pass@1": 0.5}, step=4)
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:    # the kill tore a write
+        f.write('{"step": 5, "lo')
+    with _tracker(tmp_path, start_step=3) as t:
+        for step in (3, 4):
+            t.log({"loss": 10.0 * step}, step=step)
+    recs = read_metrics(tmp_path / "run")
+    assert [(r["step"], r.get("loss")) for r in recs] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 4     # no torn line left
+    with _tracker(tmp_path, start_step=1) as t:                  # resumed from nothing: starts over
+        t.log({"loss": 0.0}, step=1)
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1]
+
+
+def test_plot_has_an_eval_panel(tmp_path, monkeypatch):
+    with _tracker(tmp_path) as t:
+        t.log({"reward/mean": 0.1}, step=1)
+        t.log({"eval/pass@1": 0.2, "eval/pass@4": 0.5, "eval/len_mean": 9.0}, step=1)
+        t.log({"reward/mean": 0.3}, step=2)
+        t.log({"eval/pass@1": 0.4, "eval/pass@4": 0.7, "eval/len_mean": 8.0}, step=2)
+    from matplotlib.figure import Figure
+    panels, savefig = [], Figure.savefig
+    def spy(fig, *a, **kw):
+        panels.extend((ax.get_title(), [ln.get_label() for ln in ax.get_lines()]) for ax in fig.axes)
+        return savefig(fig, *a, **kw)
+    monkeypatch.setattr(Figure, "savefig", spy)
+    out = plot_metrics(tmp_path / "run" / "metrics.jsonl", tmp_path / "p.png")
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    assert panels == [("reward", ["reward/mean"]), ("eval/pass", ["eval/pass@1", "eval/pass@4"])]
