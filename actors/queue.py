@@ -36,8 +36,9 @@ def _locked(method):
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
 class RolloutQueueActor:
-    def __init__(self, max_batches: int, *, model_id: str | None = None, name: str = "rollouts"):
-        self.name, self.hub = name, RolloutHub(max_batches, model_id=model_id, name=name)
+    def __init__(self, max_batches: int, *, model_id: str | None = None, name: str = "rollouts",
+                 on_failure: str = "stop"):
+        self.name, self.hub = name, RolloutHub(max_batches, model_id=model_id, name=name, on_failure=on_failure)
         self._cond = asyncio.Condition()
 
     async def _until(self, attempt, timeout_s: float | None):
@@ -57,8 +58,6 @@ class RolloutQueueActor:
                     await asyncio.wait_for(self._cond.wait(), left)
                 except asyncio.TimeoutError:
                     pass
-
-    # -- blocking calls ----------------------------------------------------------------------
 
     async def put(self, worker_id: str, batches: list, timeout_s: float | None = 300.0) -> int:
         """Wait for a free slot, then buffer the batches; returns how many were accepted."""
@@ -99,29 +98,30 @@ class RolloutQueueActor:
     register_worker = _locked(RolloutHub.register_worker)
     unregister_worker = _locked(RolloutHub.unregister_worker)
     release_worker = _locked(RolloutHub.release_worker)
-    restore = _locked(RolloutHub.restore)
-    snapshot = _locked(RolloutHub.snapshot)
-    weights = _locked(RolloutHub.weights)
-    workers = _locked(RolloutHub.workers)
-    finished = _locked(RolloutHub.finished)
+    restore, rollback = _locked(RolloutHub.restore), _locked(RolloutHub.rollback)
+    fail_prompts, failures = _locked(RolloutHub.fail_prompts), _locked(RolloutHub.failures)
+    snapshot, weights = _locked(RolloutHub.snapshot), _locked(RolloutHub.weights)
+    workers, finished = _locked(RolloutHub.workers), _locked(RolloutHub.finished)
     stats = _locked(RolloutHub.stats)
     check_model = _locked(RolloutHub.check_model)
 
 
 def create_queue(name: str, *, max_batches: int, namespace: str = DEFAULT_NAMESPACE,
-                 model_id: str | None = None, detached: bool = True):
+                 model_id: str | None = None, detached: bool = True, on_failure: str = "stop"):
     """Get or create the queue actor `name` beside its creator (never on an autoscaled generation
     node, which it would keep alive); ValueError if it exists with other settings. detached: it
-    outlives its creator (ray.kill it, or it dies with the cluster)."""
+    outlives its creator (ray.kill it, or it dies with the cluster). on_failure: see RolloutHub."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     placement.require_ray()
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-    handle = RolloutQueueActor.options(name=name, namespace=namespace, lifetime="detached" if detached else None, get_if_exists=True,
-                                       scheduling_strategy=here).remote(max_batches, model_id=model_id, name=name)
-    have = ray.get(handle.stats.remote(), timeout=RPC_TIMEOUT_S)["max_batches"]
-    if have != max_batches:
-        raise ValueError(f"rollout queue {name} in namespace {namespace} already exists with max_batches="
-                         f"{have}, not {max_batches}: use the same value, another name, or ray.kill it")
+    handle = RolloutQueueActor.options(
+        name=name, namespace=namespace, lifetime="detached" if detached else None, get_if_exists=True,
+        scheduling_strategy=here).remote(max_batches, model_id=model_id, name=name, on_failure=on_failure)
+    have = ray.get(handle.stats.remote(), timeout=RPC_TIMEOUT_S)
+    for key, want in (("max_batches", max_batches), ("on_failure", on_failure)):
+        if have[key] != want:
+            raise ValueError(f"rollout queue {name} in namespace {namespace} already exists with {key}="
+                             f"{have[key]!r}, not {want!r}: use the same value, another name, or ray.kill it")
     ray.get(handle.check_model.remote(model_id), timeout=RPC_TIMEOUT_S)   # ValueError: another model
     return handle
 
