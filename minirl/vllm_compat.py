@@ -108,8 +108,8 @@ def weight_update(llm: LLM):
             for bucket in buckets:      # [(hf_name, tensor), ...] grouped by layer
                 load(bucket)            # load.loaded: every parameter name vLLM accepted"""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload, get_layerwise_info,
-                                                         initialize_layerwise_reload)
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     worker = get_worker(llm)
     model = worker.get_model()
     direct = not ON_CPU and worker.model_config.quantization is None
