@@ -8,6 +8,8 @@ one shorter than token_ids. Masks are 1 for tokens that count (completion tokens
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -24,6 +26,9 @@ def compute_advantages(rewards, group_size: int, *, normalize_std: bool = False,
                          "pass whole groups")
     if not torch.isfinite(r).all():
         raise ValueError(f"rewards contain NaN or inf: {r.tolist()}")
+    if group_size == 1:
+        warnings.warn("group_size=1: every GRPO advantage is 0 (a reward minus its own mean), so training "
+                      "does nothing; sample several completions per prompt (group_size >= 2)", stacklevel=2)
     g = r.view(-1, group_size)                                   # (n, G)
     adv = g - g.mean(dim=1, keepdim=True)
     if normalize_std:
@@ -133,6 +138,11 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor | None = None, mode: s
     tokens (DAPO; long answers weigh more). "seq-mean-token-mean": per sequence, then over sequences
     (GRPO). "seq-mean-token-sum-norm": each sequence's sum / max_tokens (default T), then over
     sequences (Dr.GRPO: no length bias from the divisor)."""
+    if mask is not None and mask.shape != per_token.shape:
+        raise ValueError(f"mask {tuple(mask.shape)} does not match the per-token loss {tuple(per_token.shape)}: "
+                         "pass one mask entry per scored token (the shape of old_logprobs)")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1 (the longest completion allowed), got {max_tokens}")
     mask = torch.ones_like(per_token) if mask is None else mask.to(per_token)
     masked = per_token * mask
     if mode == "token-mean":
@@ -146,6 +156,13 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor | None = None, mode: s
 
 def _align(new_lp: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(new_lp cut to ref's length from the right, ref), fp32 on new_lp's device: completions come last."""
+    if not (isinstance(new_lp, torch.Tensor) and isinstance(ref, torch.Tensor)):
+        raise TypeError(f"log-probs must be tensors, got {type(new_lp).__name__} and {type(ref).__name__}: "
+                        "pass get_logprobs(...) and rollout.old_logprobs (or torch.tensor(...))")
+    if new_lp.dim() not in (1, 2) or new_lp.shape[:-1] != ref.shape[:-1]:
+        raise ValueError(f"new log-probs {tuple(new_lp.shape)} and old log-probs {tuple(ref.shape)} disagree "
+                         "in their leading (sequence) dimensions: pass (B, T) and (B, C) for the same B "
+                         "sequences, or (T,) and (C,) for one; nothing is broadcast")
     n, m = new_lp.shape[-1], ref.shape[-1]
     if n < m:
         raise ValueError(f"new log-probs have {n} positions but old log-probs {m}: new_lp must cover at "
@@ -155,11 +172,43 @@ def _align(new_lp: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def _as_adv(adv, like: torch.Tensor) -> torch.Tensor:
-    a = torch.as_tensor(adv, dtype=torch.float32, device=like.device)
+    """advantages as fp32 broadcastable to `like` (B, C) or (C,): a scalar, one per sequence (B,), or
+    one per token (like's shape); anything else is refused rather than broadcast."""
+    try:
+        a = torch.as_tensor(adv, dtype=torch.float32, device=like.device)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"advantages must be a number or a tensor of numbers, got {type(adv).__name__} "
+                        f"({e})") from e
     per_seq = a.dim() == 1 and like.dim() == 2                    # one advantage per sequence
-    if per_seq and a.shape[0] != like.shape[0]:
-        raise ValueError(f"{a.shape[0]} advantages for {like.shape[0]} sequences")
+    if a.dim() and not (per_seq and a.shape[0] == like.shape[0]) and a.shape != like.shape:
+        raise ValueError(f"advantages {tuple(a.shape)} do not fit {tuple(like.shape)} old log-probs: pass a "
+                         f"scalar, one per sequence ({like.shape[0] if like.dim() == 2 else 'B'},) or one per "
+                         f"token {tuple(like.shape)}")
     return a[:, None] if per_seq else a
+
+
+def _check_finite(**tensors: torch.Tensor) -> None:
+    """Raise ValueError naming the first input holding NaN or inf (one device sync when all are finite):
+    a non-finite loss would turn every weight NaN at the next optimizer step."""
+    if bool(torch.stack([torch.isfinite(t).all() for t in tensors.values()]).all()):
+        return
+    name, t = next((k, v) for k, v in tensors.items() if not torch.isfinite(v).all())
+    bad = int((~torch.isfinite(t)).sum())
+    hint = {"advantages": "compute advantages from finite rewards (compute_advantages refuses others)",
+            "old_logprobs": "the sampling log-probs must come from SamplingParams(logprobs=0) of the sampled "
+                            "tokens; put 0 (not NaN) at padded positions",
+            "new_logprobs": "the policy's logits are not finite: its weights may already be NaN (restore a "
+                            "checkpoint) or the learning rate is too high"}[name]
+    raise ValueError(f"{name} hold {bad} NaN or inf entries of {t.numel()}: {hint}")
+
+
+def _check_clip(clip_low: float, clip_high: float | None) -> float:
+    """clip_high (clip_low when None), after checking the trust region [1 - clip_low, 1 + clip_high]."""
+    ch = clip_low if clip_high is None else clip_high
+    if not (0 <= clip_low < 1 and ch >= 0):
+        raise ValueError(f"clip_low must be in [0, 1) and clip_high >= 0, got {clip_low}, {clip_high}: the "
+                         "trust region is [1 - clip_low, 1 + clip_high] (e.g. 0.2 and 0.28)")
+    return ch
 
 
 def _clipped(ratio: torch.Tensor, adv: torch.Tensor, low: float, high: float | None) -> torch.Tensor:
@@ -176,7 +225,8 @@ def clipped_surrogate(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, ad
     dual_clip=c > 1 caps negative-advantage tokens' loss at -c*A (Ye et al. 2020)."""
     new, old = _align(new_logprobs, old_logprobs)
     adv = _as_adv(advantages, old)
-    ch = clip_low if clip_high is None else clip_high
+    _check_finite(advantages=adv, old_logprobs=old, new_logprobs=new.detach())
+    ch = _check_clip(clip_low, clip_high)
     ratio = torch.exp(new - old)
     surr = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_low, 1 + ch) * adv)
     if dual_clip is not None:
@@ -203,6 +253,9 @@ def ppo_loss_fn(*, clip_low: float = 0.2, clip_high: float | None = 0.28,
     """A loss_fn for Trainer.forward_backward: loss_fn(logprobs (n,), batch, logits (n, V)) ->
     (clipped surrogate (n,), per-token stats {name: (n,)}): clip_frac, approx_kl (k3), ratio
     (pi_theta / pi_sampler: the sampling log-probs are the old policy) and, if `entropy`, entropy."""
+    _check_clip(clip_low, clip_high)
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     def loss_fn(logprobs, batch, logits):
         old, adv = batch.old_logprobs, batch.advantages                        # (n,), (n,)
         per_token = clipped_surrogate(logprobs, old, adv, clip_low=clip_low, clip_high=clip_high,
