@@ -37,6 +37,12 @@ for stage in "$@"; do
       timeout 900 python benchmarks/step.py --shape "qwen3-$shape" --max-tokens "$tokens" --steps $steps --warmup 2 \
         --sides "${side:-minirl,trl}" --trl-micro-batch $mb "${ckpt[@]}" \
         --out "$out/step_qwen3-${shape}_${tokens}${side:+_$side}.json" 2>&1 | grep -v "^\[" | tail -6 ;;
+    profile-*)   # minirl's step (launch defaults) with its last step's phases under torch.profiler
+      IFS=- read -r _ shape tokens <<< "$stage"
+      timeout 600 python benchmarks/step.py --shape "qwen3-$shape" --max-tokens "$tokens" --steps 4 --warmup 1 \
+        --sides minirl --profile "$out/profile_${shape}_${tokens}" \
+        --out "$out/profile_qwen3-${shape}_${tokens}.json" 2>&1 | grep -v "^\[" | tail -4
+      head -40 "$out/profile_${shape}_${tokens}"/*.txt ;;
     *) log "unknown stage $stage" ;;
   esac
 done

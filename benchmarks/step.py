@@ -79,6 +79,8 @@ def run_minirl(args, model: str) -> dict:
     argv = ["--model", model, "--prompts", str(args.prompts), "--group-size", str(args.group_size),
             "--max-tokens", str(args.max_tokens), "--max-model-len", str(args.max_tokens + 64),
             "--steps", str(args.steps), "--backends", "", "--run-dir", str(run_dir)]
+    if args.profile:
+        _profile_last_step(mod, args)
     mem = MemorySampler()
     t0 = time.time()
     mod.common.main(mod.run, mod.common.parse_args(mod.__doc__, str(run_dir), argv))
@@ -93,6 +95,49 @@ def run_minirl(args, model: str) -> dict:
                       "trained_tokens": (r["len/completion"] + r["len/prompt"]) * n, "loss": r["loss"]})
     return {"argv": argv, "steps": steps, "peak_memory_gib": mem.stop(), "command":
             "python launch/colocated.py " + " ".join(argv)}
+
+
+def _profile_last_step(mod, args) -> None:
+    """With --profile DIR: the last step's generation and training run under torch.profiler; the
+    top operators by device and by host time go to DIR/{generate,train}.txt, with the share of the
+    phase's wall time the device was busy (summed kernel time / wall). That step is left out of
+    the medians."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    out = Path(args.profile)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def profiled(fn, name):
+        def wrapper(*a, **kw):
+            if wrapper.calls < args.steps - 1:
+                wrapper.calls += 1
+                return fn(*a, **kw)
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            t = time.perf_counter()
+            with profile(activities=acts) as prof:
+                result = fn(*a, **kw)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+            ev = prof.key_averages()
+            dev = sum(e.self_device_time_total for e in ev) / 1e6
+            lines = [f"{name}: wall {wall:.3f} s, device busy {dev:.3f} s ({100 * dev / wall:.0f}%)", "",
+                     ev.table(sort_by="self_device_time_total" if acts[1:] else "self_cpu_time_total", row_limit=30),
+                     ev.table(sort_by="self_cpu_time_total", row_limit=25)]
+            (out / f"{name}.txt").write_text("\n".join(lines))
+            return result
+        wrapper.calls = 0
+        return wrapper
+
+    mod.common.train_step = profiled(mod.common.train_step, "train")
+    real_as_vllm = mod.WeightManager.as_vllm
+
+    def as_vllm(self, *a, **kw):
+        llm = real_as_vllm(self, *a, **kw)
+        if not hasattr(llm, "_profiled"):
+            llm._profiled, llm.generate = True, profiled(llm.generate, "generate")
+        return llm
+    mod.WeightManager.as_vllm = as_vllm
 
 
 def run_trl(args, model: str) -> dict:
@@ -179,7 +224,8 @@ def run_trl(args, model: str) -> dict:
 
 
 def summarize(side: dict, args, n_params: int) -> dict:
-    keep = side["steps"][args.warmup:] or side["steps"]
+    steps = side["steps"][:-1] if args.profile and len(side["steps"]) > 1 else side["steps"]
+    keep = steps[args.warmup:] or steps
     med = {k: statistics.median(s[k] for s in keep) for k in keep[0] if isinstance(keep[0][k], (int, float))}
     med["generated_tokens_per_s"] = med["generated_tokens"] / med["step_s"]
     med["trained_tokens_per_s"] = med["trained_tokens"] / med["step_s"]
@@ -203,6 +249,7 @@ def main():
     p.add_argument("--work", default="/tmp/bench_step")
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", default=None, metavar="DIR", help="minirl: profile the last step into DIR")
     p.add_argument("--side", help=argparse.SUPPRESS)
     args = p.parse_args()
     model = str(Path(args.models_dir) / args.shape)
