@@ -52,6 +52,10 @@ class Rollout:
                 raise ValueError(f"{n} {what} for {C} completion tokens (uid={self.uid!r})")
         if not self.prompt_ids:
             raise ValueError(f"empty prompt (uid={self.uid!r}): a causal LM needs >= 1 prompt token")
+        if not all(map(math.isfinite, [self.reward, self.advantage, *self.sampling_logprobs])):
+            raise ValueError(f"reward {self.reward}, advantage {self.advantage} or a sampling log-prob is NaN "
+                             f"or inf (uid={self.uid!r}): a non-finite value would make the loss, then "
+                             "every weight, NaN; map failed rewards to a number and keep vLLM's log-probs")
 
     @property
     def num_tokens(self) -> int:
@@ -132,24 +136,50 @@ def _check_reward(value, prompt, completion) -> float:
     return float(value)
 
 
+def _group_by_prompt(outputs: list, group_size: int) -> list[list]:
+    """[(output, completion)] groups: each n=group_size output alone, or n=1 outputs of the same prompt
+    (in any order) in runs of group_size; a group never mixes prompts and never falls short."""
+    counts = {len(o.outputs) for o in outputs}
+    if counts - {group_size} and counts - {1}:
+        raise ValueError(f"outputs with {sorted(counts)} completions each do not form groups of {group_size}: "
+                         f"use SamplingParams(n={group_size}), or n=1 with each prompt {group_size} times")
+    if counts <= {group_size}:
+        return [[(o, c) for c in o.outputs] for o in outputs]
+    by_prompt: dict = {}
+    for i, o in enumerate(outputs):
+        by_prompt.setdefault((o.prompt, tuple(o.prompt_token_ids or ())), []).append(i)
+    for (prompt, _), idx in by_prompt.items():
+        if len(idx) % group_size:
+            raise ValueError(f"prompt {prompt!r} has {len(idx)} n=1 completions, not a multiple of "
+                             f"group_size={group_size}: generate each prompt exactly {group_size} times "
+                             f"(or SamplingParams(n={group_size})); groups never mix prompts")
+    runs = sorted(idx[i:i + group_size] for idx in by_prompt.values() for i in range(0, len(idx), group_size))
+    return [[(outputs[i], outputs[i].outputs[0]) for i in run] for run in runs]   # by first output
+
+
 def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, *,
                        metadata: Sequence | None = None, uids: Sequence | None = None,
                        policy_version: int | None = None, device=None, tokenizer=None) -> list[RolloutBatch]:
-    """vLLM `RequestOutput`s (n=group_size per prompt, or group_size consecutive n=1 ones; logprobs=0)
-    -> one RolloutBatch per prompt. reward_fn(prompt, completion[, metadata[i]]) is called once per
-    completion, in order, and must return a finite real (not a bool); what it raises is re-raised naming
-    the prompt. uids: one per prompt (default: its index). policy_version / device default to the engine's
+    """vLLM `RequestOutput`s (n=group_size per prompt, or each prompt group_size times with n=1, grouped
+    by prompt, never mixed; logprobs=0) -> one RolloutBatch per group, ordered by each group's first
+    output. reward_fn(prompt, completion[, metadata[i]]) is called once per completion, in order, and must
+    return a finite real (not a bool); what it raises is re-raised naming the prompt. uids: one per
+    group (default: its index). policy_version / device default to the engine's
     stamp (WeightManager.as_vllm(); else 0, "cpu"). `tokenizer` decodes detokenize=False completions."""
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1 (completions per prompt), got {group_size!r}")
+    if not callable(reward_fn):
+        raise TypeError(f"reward_fn must be callable as reward_fn(prompt, completion[, metadata]), "
+                        f"got {type(reward_fn).__name__}")
+    if isinstance(outputs, (str, bytes, dict)):
+        raise TypeError(f"parse_vllm_outputs takes the list llm.generate(...) returns, got a {type(outputs).__name__}")
     outputs = list(outputs)
-    counts = {len(o.outputs) for o in outputs}           # all group_size, or all 1 and whole groups
-    if counts - {group_size} and (counts - {1} or len(outputs) % group_size):
-        raise ValueError(f"cannot split {len(outputs)} outputs with {sorted(counts)} completions each into "
-                         f"groups of {group_size}: use SamplingParams(n={group_size}), or repeat each "
-                         f"prompt {group_size} times in a row with n=1")
-    pairs = [(o, c) for o in outputs for c in o.outputs]
-    groups = [pairs[i:i + group_size] for i in range(0, len(pairs), group_size)]
+    for o in outputs:
+        if not all(hasattr(o, a) for a in ("outputs", "prompt", "prompt_token_ids")):
+            raise TypeError(f"parse_vllm_outputs takes vLLM RequestOutputs (what llm.generate returns), got "
+                            f"{type(o).__name__} {o!r:.80}")
+    groups = _group_by_prompt(outputs, group_size)
+    pairs = [pair for group in groups for pair in group]      # decoded below in this order
     for name, seq in (("metadata", metadata), ("uids", uids)):
         if seq is not None and len(seq) != len(groups):
             raise ValueError(f"{len(seq)} {name} entries for {len(groups)} prompts: give one per prompt")
@@ -207,9 +237,18 @@ class TrainBatch(_Tensors):
     num_tokens: int                # counted (loss_mask) tokens
 
 
+def _rollouts(rollouts: Iterable, where: str) -> list[Rollout]:
+    """rollouts as a list, refusing anything else (a RolloutBatch inside: flatten the groups first)."""
+    rollouts = list(rollouts)
+    if bad := next((r for r in rollouts if not isinstance(r, Rollout)), None):
+        raise TypeError(f"{where}() takes Rollouts, got a {type(bad).__name__}: pass "
+                        "[r for batch in batches for r in batch] to flatten RolloutBatches")
+    return rollouts
+
+
 def collate(rollouts: Iterable[Rollout], *, pad_token_id: int = 0, device=None) -> TrainBatch:
     """Right-pad rollouts into one TrainBatch on `device` (default: the first rollout's)."""
-    rollouts = list(rollouts)
+    rollouts = _rollouts(rollouts, "collate")
     if not rollouts:
         raise ValueError("collate() got no rollouts")
     B, T = len(rollouts), max(r.num_tokens for r in rollouts)
@@ -242,6 +281,7 @@ class PackedBatch(_Tensors):
     advantages: torch.Tensor       # (n,) fp32, each token its rollout's advantage
     seq_index: torch.Tensor        # (n,) int64, which rollout (0..S-1) each token belongs to
     rollouts: list
+    ref_logprobs: torch.Tensor | None = None   # (n,) fp32, the reference policy's (Trainer sets it)
 
     @property
     def num_tokens(self) -> int:
@@ -274,7 +314,7 @@ def pack(rollouts: Sequence[Rollout], max_tokens: int) -> list[PackedBatch]:
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     out = []
-    for row in split_by_tokens(rollouts, 0, max_tokens=max_tokens):
+    for row in split_by_tokens(_rollouts(rollouts, "pack"), 0, max_tokens=max_tokens):
         ids, pos, cu, scored, targets, old, adv, seq = [], [], [0], [], [], [], [], []
         for s, r in enumerate(row):
             P, C, o = len(r.prompt_ids), len(r.completion_ids), cu[-1]
@@ -304,25 +344,33 @@ def save_rollouts(path: str | os.PathLike, batches: Iterable[RolloutBatch]) -> P
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         for bi, batch in enumerate(batches):
+            if not isinstance(batch, RolloutBatch):
+                raise TypeError(f"save_rollouts takes RolloutBatches, got {type(batch).__name__} at {bi}")
             for r in batch:
                 d = {k: v for k, v in asdict(r).items() if k != "device"}
-                f.write(json.dumps({"batch": bi, "batch_uid": batch.uid, **d}) + "\n")
+                f.write(json.dumps({"batch": bi, "batch_uid": batch.uid, "batch_size": len(batch), **d}) + "\n")
     os.replace(tmp, path)
     return path
 
 
 def load_rollouts(path: str | os.PathLike, *, device=None) -> list[RolloutBatch]:
-    """Read batches written by save_rollouts; floats round-trip exactly."""
+    """Read batches written by save_rollouts; floats round-trip exactly. A batch with fewer rollouts
+    than were saved (a file cut short) raises ValueError rather than returning a short group."""
     batches: dict[int, RolloutBatch] = {}
+    sizes: dict[int, int] = {}
     with open(path) as f:
         for n, line in enumerate(f, 1):
             try:
                 d = json.loads(line)
-                bi, uid = d.pop("batch"), d.pop("batch_uid")
+                bi, uid, sizes[bi] = d.pop("batch"), d.pop("batch_uid"), d.pop("batch_size", None)
                 r = Rollout(**d, device=str(device or "cpu"))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 raise ValueError(f"{path}:{n}: not a rollout written by save_rollouts ({e})") from e
             batches.setdefault(bi, RolloutBatch([], uid=uid)).rollouts.append(r)
+    for bi, b in batches.items():
+        if len(b) != (sizes[bi] or len(b)):
+            raise ValueError(f"{path}: batch {bi} (uid={b.uid!r}) has {len(b)} of its {sizes[bi]} rollouts: the "
+                             "file was cut short or edited; re-save it or drop that batch")
     return [batches[k] for k in sorted(batches)]
 
 

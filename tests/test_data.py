@@ -135,6 +135,15 @@ def test_n1_repeated_prompts_group(wm):
     batches = parse_vllm_outputs(outs, 3, lambda p, c: 1.0, uids=["a", "b"])
     assert [b.uid for b in batches] == ["a", "b"]
     assert all(r.prompt == "1+1=" for r in batches[0])
+    # Interleaved n=1 outputs (A B A B A B) group by prompt, never by position.
+    mixed = [outs[i] for i in (0, 3, 1, 4, 2, 5)]
+    batches = parse_vllm_outputs(mixed, 3, lambda p, c: 1.0, uids=["a", "b"])
+    assert [[r.prompt for r in b] for b in batches] == [["1+1="] * 3, ["2+1="] * 3]
+    # A B A is not a group of three; a prompt short of its group is refused.
+    with pytest.raises(ValueError, match=r"'1\+1=' has 2 n=1 completions.*group_size=3"):
+        parse_vllm_outputs([outs[0], outs[3], outs[1]], 3, lambda p, c: 1.0)
+    with pytest.raises(ValueError, match="never mix prompts"):
+        parse_vllm_outputs(outs[:4] + outs[5:], 2, lambda p, c: 1.0)
 
 
 def test_collate_aligns_with_get_logprobs(outputs, hf_model):
@@ -174,6 +183,10 @@ def test_save_load_roundtrip_exact(outputs, tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"batch": 0}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         load_rollouts(tmp_path / "bad.jsonl")
+    lines = path.read_text().splitlines(keepends=True)       # lost its last line at a line boundary
+    (tmp_path / "cut.jsonl").write_text("".join(lines[:-1]))
+    with pytest.raises(ValueError, match="batch 5 .* has 3 of its 4 rollouts"):
+        load_rollouts(tmp_path / "cut.jsonl")
 
 
 def test_rollout_validation():
