@@ -110,10 +110,11 @@ class Checkpointer:
         return (self.complete() or [None])[-1]
 
     def save(self, step: int, model, optimizer, *, state: dict | None = None, compat: dict | None = None,
-             objects: dict | None = None, hf_from: str | None = None) -> Path:
-        """Collective: save everything for resume, and the HF policy if hf_from (its tokenizer's source)."""
+             objects: dict | None = None, hf_from=None) -> Path:
+        """Collective: save everything for resume (frozen parameters excepted), and the HF policy if
+        hf_from: its tokenizer's source (a path), or a callable writing the HF directory it is given."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
         final, tmp = self.root / f"step_{step:08d}", self.root / f".tmp_step_{step:08d}"
         if _rank() == 0:
             if final.exists():
@@ -122,10 +123,13 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         _barrier()
         reshard(model)
-        msd, osd = get_state_dict(model, optimizer)
+        trained = StateDictOptions(ignore_frozen_params=True)     # frozen weights (a LoRA base) stay out
+        msd, osd = get_state_dict(model, optimizer, options=trained)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / "dcp"))
         torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
-        if hf_from is not None:
+        if callable(hf_from):               # a writer of its own (LoRA: the merged model), collective
+            hf_from(tmp / "hf")
+        elif hf_from is not None:
             export_hf(model, tmp / "hf", tokenizer_from=hf_from)
         _barrier()
         if _rank() == 0:
@@ -145,7 +149,7 @@ class Checkpointer:
         """Restore model, optimizer and RNG states from `path` (default: the latest complete one); returns
         read_state(path). A `compat` entry (model, tokenizer, settings) unlike the saved one raises."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
         if path is None and (path := self.latest()) is None:
             raise CheckpointError(f"no complete checkpoint under {self.root}")
         saved = json.loads((verify(path) / "state.json").read_text()).get("compat", {})
@@ -153,9 +157,10 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} does not fit this run: "
                                   + "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items()))
         reshard(model)
-        sd = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
+        trained = StateDictOptions(ignore_frozen_params=True)
+        sd = dict(zip(("model", "optim"), get_state_dict(model, optimizer, options=trained)))
         dcp.load(sd, checkpoint_id=str(Path(path) / "dcp"))
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=trained)
         rng = Path(path) / f"rng_rank{_rank()}.pt"
         if rng.exists():          # absent when resuming on more ranks than were saved
             _set_rng_state(torch.load(rng, weights_only=False))

@@ -12,6 +12,11 @@ however the rollouts split. `loss_fn(logprobs, batch, logits) -> (per_token_loss
 per_token_value})` sees one minirl.data.PackedBatch. The trainer also owns the policy version,
 checkpoints and the full-weight gathering both backends use to move weights to vLLM. One rank
 per process. bf16 compute with fp32 master weights and AdamW state on CUDA, fp32 on CPU.
+
+Bigger models on fewer GPUs: `lora=LoRAConfig(...)` trains PEFT adapters only (the engine gets
+merged weights, checkpoints hold the adapters); `cpu_offload` keeps parameters, gradients and AdamW
+state on the host (FSDP2's CPUOffloadPolicy); `reference=True` adds a frozen reference policy whose
+log-probs of each packed micro-batch reach loss_fn as `batch.ref_logprobs` (for a KL penalty).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch.distributed as dist
 from minirl.core import token_logprobs
 from minirl.data import pack, split_by_tokens
 from minirl.distributed import init_distributed, pick_device
+from minirl.lora import LoRAConfig, adapters_off, apply_lora, merge_bucket
 from minirl.weights import bucket_fingerprint, full_weight_buckets, gather_during_forward, reshard
 
 
@@ -53,6 +59,17 @@ class TrainerConfig:
     dist_timeout_s: float = 600.0
     """Timeout of every collective in the training process group."""
     trust_remote_code: bool = False
+    lora: LoRAConfig | None = None
+    """Train low-rank adapters only (PEFT); None: full fine-tuning."""
+    cpu_offload: bool = False
+    """Keep parameters, gradients and AdamW state on the host; each FSDP unit is copied to the
+    device for its forward and backward, the optimizer steps on the CPU (FSDP2 CPUOffloadPolicy)."""
+    reference: bool = False
+    """A frozen reference policy (the starting weights): its log-probs of every packed
+    micro-batch reach loss_fn as batch.ref_logprobs. With lora, the model with adapters off
+    (no extra memory); else a second FSDP2 model in the compute dtype, sharded like the trainer."""
+    reference_offload: bool = False
+    """Keep the reference policy's shards on the host (CPUOffloadPolicy) between its forwards."""
 
 
 def check_model_path(model: str) -> str:
@@ -169,23 +186,34 @@ def _register_varlen() -> str:
 
 def load_fsdp_model(path: str, device: torch.device, world: int, compute_dtype: torch.dtype, *,
                     activation_checkpointing: bool = False, attention: str = "auto",
-                    trust_remote_code: bool = False):
-    """Load an HF causal LM in fp32 and shard it with FSDP2: each decoder layer, then the root."""
+                    trust_remote_code: bool = False, lora: LoRAConfig | None = None,
+                    offload: bool = False, dtype: torch.dtype = torch.float32):
+    """Load an HF causal LM in `dtype` (fp32: master weights), inject LoRA adapters if asked, and
+    shard it with FSDP2: each decoder layer, then the root; with `offload` the shards stay on
+    the host (buffers, e.g. rotary tables, go to the device)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
                                                  attn_implementation=_attention(attention, device),
                                                  trust_remote_code=trust_remote_code)
+    if lora is not None:
+        model = apply_lora(model, lora)
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mesh = init_device_mesh(device.type, (world,))
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    off = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    kw = dict(mesh=mesh, mp_policy=mp, offload_policy=off)
     for layer in _decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    model.to(device)
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    if not offload:
+        return model.to(device)
+    for m in model.modules():             # the shards stay on the host, buffers go to the device
+        for name, b in m.named_buffers(recurse=False):
+            setattr(m, name, b.to(device))
     return model
 
 
@@ -205,12 +233,22 @@ class Trainer:
         self.rank = init_distributed(cfg.dist_timeout_s)
         self.device = self.rank.device
         torch.manual_seed(cfg.seed + self.rank.rank)
+        if cfg.reference_offload and not cfg.reference:
+            raise ValueError("reference_offload=True without reference=True: set reference=True too")
+        load = dict(attention=cfg.attention, trust_remote_code=cfg.trust_remote_code)
         self.model = load_fsdp_model(self.path, self.device, self.rank.world_size, self.compute_dtype,
                                      activation_checkpointing=bool(cfg.activation_checkpointing),
-                                     attention=cfg.attention, trust_remote_code=cfg.trust_remote_code)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
-                                           eps=cfg.eps, weight_decay=cfg.weight_decay,
-                                           fused=self.device.type == "cuda")
+                                     lora=cfg.lora, offload=cfg.cpu_offload, **load)
+        self.reference = None
+        """The frozen reference policy (FSDP2, eval mode) when config.reference without lora."""
+        if cfg.reference and cfg.lora is None:
+            self.reference = load_fsdp_model(self.path, self.device, self.rank.world_size, self.compute_dtype,
+                                             offload=cfg.reference_offload, dtype=self.compute_dtype,
+                                             **load).requires_grad_(False).eval()
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
+                                           lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                           weight_decay=cfg.weight_decay,
+                                           fused=self.device.type == "cuda" and not cfg.cpu_offload)
         self.optimizer.register_step_post_hook(lambda *_: setattr(self, "stepped", True))
         self.policy_version = 0
         """The version of the last published weights (publish() counts them)."""
@@ -245,10 +283,13 @@ class Trainer:
             extra = dict(position_ids=mb.position_ids, cu_seq_lens_q=mb.cu_seqlens,
                          cu_seq_lens_k=mb.cu_seqlens, max_length_q=mb.max_seqlen,
                          max_length_k=mb.max_seqlen) if mb else {}
+            ref = self._reference_logprobs(ids, keep, extra, mb, temperature) if self.config.reference \
+                else None
             logits = self.model(ids, use_cache=False, logits_to_keep=keep, **extra).logits[0]  # (n, V)
             if mb is None:
                 (logits.sum() * 0).backward()              # an empty pass: FSDP2 collectives match
                 continue
+            mb.ref_logprobs = ref                          # (n,) fp32 or None
             lp = token_logprobs(logits, mb.targets, temperature=temperature)      # (n,)
             per_token, stats = loss_fn(lp, mb, logits)
             loss = per_token.sum()
@@ -261,6 +302,19 @@ class Trainer:
             dist.all_reduce(vec)
         out = {k: float(v) / max(total, 1) for k, v in zip(keys, vec.tolist())} if keys else {}
         return {**out, "tokens": total, "micro_batches": int(counts[1])}
+
+    @torch.no_grad()
+    def _reference_logprobs(self, ids, keep, extra, mb, temperature: float):
+        """The reference policy's log-probs of mb's scored tokens (n,) fp32 (None for an empty pass,
+        which still runs the forward: FSDP2 collectives match across ranks)."""
+        if self.reference is not None:
+            logits = self.reference(ids, use_cache=False, logits_to_keep=keep, **extra).logits[0]
+        else:                                              # LoRA: the base model is the reference
+            with adapters_off(self.model):
+                was = self.model.training
+                logits = self.model.eval()(ids, use_cache=False, logits_to_keep=keep, **extra).logits[0]
+                self.model.train(was)
+        return None if mb is None else token_logprobs(logits, mb.targets, temperature=temperature).float()
 
     def optim_step(self) -> dict[str, float]:
         """Clip the gradient norm, refuse a non-finite one, step AdamW, free the gradients."""
@@ -286,8 +340,10 @@ class Trainer:
 
     def unallocated_optimizer_bytes(self) -> int:
         """What AdamW's two fp32 moments of this rank's shard will take at the first step (0 once taken)."""
-        return 0 if self.optimizer.state else 8 * sum(
-            p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in self.model.parameters())
+        if self.optimizer.state or self.config.cpu_offload:          # offloaded: the state lives on the host
+            return 0
+        return 8 * sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                       for p in self.model.parameters() if p.requires_grad)
 
     def measure_peak(self) -> int:
         """Bytes allocated (CUDA) at the peak of one forward_backward over a full micro-batch of
@@ -337,19 +393,24 @@ class Trainer:
         (collective). With probe_ids, the trainer's forward of the probe does the gathering, and
         (checksum of all weights handed over, the probe's log-probs) come back; else (None, None)."""
         from minirl.core import get_logprobs
+        lora = self.config.lora
+        emit = on_bucket if lora is None else (lambda b: on_bucket(merge_bucket(b, lora.scale)))
         if probe_ids is None:
             for bucket in full_weight_buckets(self.model, dtype=dtype):
-                on_bucket(bucket)
+                emit(bucket)
             return None, None
         fp = torch.zeros((), dtype=torch.int64, device=self.device)
 
         def both(bucket):
             nonlocal fp
+            bucket = bucket if lora is None else merge_bucket(bucket, lora.scale)
             on_bucket(bucket)
             fp = fp + bucket_fingerprint(bucket)
 
         ids = torch.tensor([probe_ids], device=self.device)
-        logits = gather_during_forward(self.model, lambda: self.model(ids).logits, both, dtype=dtype)
+        was = self.model.training          # the probe runs without dropout
+        logits = gather_during_forward(self.model, lambda: self.model.eval()(ids).logits, both, dtype=dtype)
+        self.model.train(was)
         return fp.cpu(), get_logprobs(logits, ids)[0].cpu()
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -357,16 +418,34 @@ class Trainer:
     def compat(self) -> dict:
         """What a checkpoint must share with the run resuming from it."""
         from minirl.checkpoint import tokenizer_hash
+        lora = self.config.lora
         return {"model": model_identity(self.path), "tokenizer": tokenizer_hash(self.path),
-                "mixed_precision": self.config.mixed_precision, "optimizer": "AdamW"}
+                "mixed_precision": self.config.mixed_precision, "optimizer": "AdamW",
+                "lora": None if lora is None else [lora.rank, lora.alpha, sorted(lora.target_modules)]}
 
     def save_checkpoint(self, ckpt, step: int, *, state: dict | None = None, objects: dict | None = None,
                         export_hf: bool = False):
         """ckpt.save(...) of model, optimizer, RNG, the policy version (weights stepped since the
         last publish are the next version's) and `state` (JSON). Collective. Returns the path."""
         state = {"policy_version": self.policy_version + int(self.stepped), **(state or {})}
+        hf = None if not export_hf else self.path if self.config.lora is None else self.export_hf
         return ckpt.save(step, self.model, self.optimizer, state=state, compat=self.compat(),
-                         objects=objects, hf_from=self.path if export_hf else None)
+                         objects=objects, hf_from=hf)
+
+    def export_hf(self, out_dir) -> None:
+        """Write the policy (with LoRA: the merged weights, under the base model's names) as a
+        Hugging Face directory on rank 0: config, tokenizer, fp32 safetensors. Collective."""
+        from safetensors.torch import save_file
+        from transformers import AutoConfig, AutoTokenizer
+        sd: dict[str, torch.Tensor] = {}
+        self.gather(lambda b: sd.update((n, t.to("cpu", copy=True)) for n, t in b), dtype=torch.float32)
+        if self.rank.rank == 0:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            save_file({n: t.contiguous() for n, t in sd.items()}, str(Path(out_dir) / "model.safetensors"),
+                      metadata={"format": "pt"})
+            remote = self.config.trust_remote_code
+            AutoConfig.from_pretrained(self.path, trust_remote_code=remote).save_pretrained(out_dir)
+            AutoTokenizer.from_pretrained(self.path).save_pretrained(out_dir)
 
     def load_checkpoint(self, ckpt, path=None) -> dict:
         """Restore model, optimizer, RNG and policy version (the latest checkpoint by default).
