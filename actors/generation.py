@@ -5,7 +5,9 @@
 
 The actor restarts after a crash (max_restarts=-1): __init__ registers with the queue again
 (which releases what the dead one had leased) and loads the trainer's latest weights from the
-object store before it generates. Weights arrive by `load_from_store` (object store) or
+object store before it generates. A prompt whose request fails (too long, reward_fn raised or
+ran past reward_timeout_s) is never retried: it goes to the queue's fail_prompts with its cause
+(minirl.faults). Weights arrive by `load_from_store` (object store) or
 `recv_broadcast` (collective group) while `run` may be blocked on a full queue, so calls run on
 a few threads and a lock keeps every weight load out of a running generate. Hardware: one GPU
 or CPU cores.
@@ -20,6 +22,7 @@ import time
 import ray
 
 from actors.queue import connect_queue
+from minirl.faults import bounded, run_each
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=4)
@@ -33,7 +36,9 @@ class GenerationActor:
         self._stop = threading.Event()
         self.queue = connect_queue(queue_name, namespace=namespace)
         self._get(self.queue.check_model.remote(model_identity(model)))
-        self.gen = Generator(model, **gen_kwargs)
+        kw = dict(gen_kwargs)
+        kw["reward_fn"] = bounded(kw["reward_fn"], kw.pop("reward_timeout_s", None), "reward_fn")
+        self.gen = Generator(model, **kw)
         self.group = None
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self._bootstrap()
@@ -72,12 +77,15 @@ class GenerationActor:
                 if self._get(self.queue.finished.remote()):
                     return stats
                 continue
-            with self._engine:
-                batches = self.gen.generate(items)   # stamped with the version the engine holds
+            with self._engine:                   # stamped with the version the engine holds
+                batches, failed = run_each(self.gen.generate, items)
             for b in batches:
                 for r in b:
                     r.info["worker_id"] = self.worker_id
-            self._get(self.queue.put.remote(self.worker_id, batches, self.timeout))
+            if failed:                           # never retried: the queue's on_failure decides
+                self._get(self.queue.fail_prompts.remote(self.worker_id, failed))
+            if batches:
+                self._get(self.queue.put.remote(self.worker_id, batches, self.timeout))
             stats["prompts"] += len(items)
             stats["tokens"] += sum(len(r.completion_ids) for b in batches for r in b)
         return stats

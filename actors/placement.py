@@ -36,6 +36,14 @@ def get(ref, timeout_s: float, what: str):
         raise TimeoutError(f"{what} did not answer within {timeout_s} s") from e
 
 
+def cause(error: Exception) -> str:
+    """The real cause of an actor's death (what its __init__ raised), not Ray's wrapper text."""
+    inner = getattr(error, "cause", None)
+    text = str(getattr(inner, "error_message", None) or inner or error)
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith((" ", "Traceback"))]
+    return lines[-1] if lines else text
+
+
 def cluster_gpus() -> float:
     return ray.cluster_resources().get("GPU", 0.0)
 

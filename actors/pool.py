@@ -50,7 +50,10 @@ class GeneratorPool:
     def wait_ready(self, wid: str) -> None:
         g = self.generators[wid]
         placement.wait_ready(g["pg"], self.ready_timeout, f"generator {wid}")
-        placement.get(g["info"], self.ready_timeout, f"generator {wid}")
+        try:
+            placement.get(g["info"], self.ready_timeout, f"generator {wid}")
+        except ray.exceptions.RayActorError as e:      # its __init__ raised: say why, not just "died"
+            raise RuntimeError(f"generator {wid} failed to start: {placement.cause(e)}") from None
         g["ready"] = True
 
     def remove(self, worker_id: str | None = None, *, timeout_s: float | None = None) -> str:

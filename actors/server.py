@@ -6,7 +6,10 @@ prompts, and a GeneratorPool (actors/pool.py) of vLLM actors that feed it.
     server.run()                     # returns once the trainer has taken every prompt
     server.wait_trainer_done()       # ... and once it has trained and synced the last of them
 
-The pool grows (add_generator: a pending placement group asks the autoscaler for a node) and
+Bad settings (group_size, sampling, timeouts, on_failure) are refused here, before any engine
+starts. A prompt whose request fails is never retried: on_failure="stop" (default) ends the run,
+the trainer's pull raising the cause (uid and error) and wait() too; "skip" records it (failures(),
+stats "failed") and goes on. The pool grows (add_generator: a pending placement group asks the autoscaler for a node) and
 shrinks (remove_generator: drains first) at run time. Every wait has a timeout. Hardware: CPU
 or GPUs.
 """
@@ -25,23 +28,30 @@ from actors.queue import DEFAULT_NAMESPACE, create_queue
 
 class RolloutServer:
     """RolloutServer(model, queue_address, reward_fn=..., num_generators, group_size, sampling,
-    queue_size, prompts_per_call, resources, seed, llm_kwargs): reward_fn follows
-    parse_vllm_outputs' contract, `sampling` are SamplingParams kwargs, llm_kwargs go to each
-    vllm.LLM, `resources` is one replica's bundle (default {"CPU": 1, "GPU": 1} on a GPU cluster)."""
+    queue_size, prompts_per_call, resources, seed, llm_kwargs, on_failure, reward_timeout_s):
+    reward_fn follows parse_vllm_outputs' contract (each call bounded by reward_timeout_s),
+    `sampling` are SamplingParams kwargs, llm_kwargs go to each vllm.LLM, `resources` is one
+    replica's bundle (default {"CPU": 1, "GPU": 1} on a GPU cluster)."""
 
     def __init__(self, model: str, queue_address: str = "minirl-rollouts", *, reward_fn,
                  num_generators: int = 1, group_size: int = 8, sampling: dict | None = None,
                  queue_size: int = 64, prompts_per_call: int = 8, resources: dict | None = None,
                  namespace: str = DEFAULT_NAMESPACE, seed: int = 0, call_timeout_s: float = 600.0,
-                 ready_timeout_s: float = 600.0, llm_kwargs: dict | None = None):
+                 ready_timeout_s: float = 600.0, llm_kwargs: dict | None = None, on_failure: str = "stop",
+                 reward_timeout_s: float | None = 300.0):
         from minirl.trainer import check_model_path, model_identity
+        from minirl.faults import check_settings
+        check_settings("RolloutServer", group_size, sampling, reward_fn, reward_timeout_s, on_failure,
+                       {"num_generators": (num_generators, 0), "queue_size": (queue_size, 1),
+                        "prompts_per_call": (prompts_per_call, 1), "call_timeout_s": (call_timeout_s, 1e-9),
+                        "ready_timeout_s": (ready_timeout_s, 1e-9)})
         placement.ray_init(namespace)
         self.model, self.timeout = check_model_path(model), call_timeout_s
         self.queue = create_queue(queue_address, max_batches=queue_size, namespace=namespace,
-                                  model_id=model_identity(self.model))
+                                  model_id=model_identity(self.model), on_failure=on_failure)
         self.pool = GeneratorPool(self.model, self.queue, queue_address, namespace,
                                   {"reward_fn": reward_fn, "group_size": group_size, "sampling": sampling,
-                                   **(llm_kwargs or {})}, resources=resources or placement.default_bundle(),
+                                   "reward_timeout_s": reward_timeout_s, **(llm_kwargs or {})}, resources=resources or placement.default_bundle(),
                                   seed=seed, prompts_per_call=prompts_per_call, call_timeout_s=call_timeout_s,
                                   ready_timeout_s=ready_timeout_s)
         self.generators, self.stats = self.pool.generators, self.pool.stats
@@ -102,7 +112,13 @@ class RolloutServer:
                 raise TimeoutError(f"rollout server still running after {timeout_s} s")
         if self._error is not None:
             raise RuntimeError(f"rollout server failed: {self._error}") from self._error
-        return dict(self.stats)
+        if (q := self.queue_stats())["error"] is not None:     # on_failure="stop"
+            raise RuntimeError(q["error"])
+        return {**self.stats, "failed": q["failed"]}
+
+    def failures(self) -> dict:
+        """uid -> cause of every prompt whose request failed (skipped under on_failure="skip")."""
+        return placement.get(self.queue.failures.remote(), self.timeout, "rollout queue")
 
     def wait_trainer_done(self, timeout_s: float = 600.0) -> None:
         """Block until the trainer says it trained and synced its last batch (the run's end)."""
@@ -125,3 +141,4 @@ class RolloutServer:
         self.generators.clear()
         if remove_queue:
             ray.kill(self.queue)
+

@@ -92,10 +92,18 @@ class TrainWorker:
         return self.trainer.save_checkpoint(ckpt, step, state=state, objects={"queue": queue}, export_hf=export_hf)
 
     def load_checkpoint(self, ckpt, path=None) -> dict:
-        """Restore the trainer and its trained prompts, then push the restored weights to every
-        generator (the queue's side is RolloutServer.restore)."""
+        """Restore the trainer and its trained prompts; the queue rolls back to them (what was
+        delivered after the checkpoint comes again, rollouts of the lost trainer's newer weights
+        are refused) and names the next version; then the restored weights, under it, replace
+        every generator's. Works on the running queue (only the trainer died) as on a fresh one
+        (after RolloutServer.restore). Collective."""
         out = self.trainer.load_checkpoint(ckpt, path)
         self.trained_uids = list(out["state"]["trained_uids"])
+        box = [placement.get(self.queue.rollback.remote(self.trained_uids, self.trainer.policy_version),
+                             self.timeout, "rollout queue") if self.rank.rank == 0 else None]
+        if self.rank.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        self.trainer.policy_version = box[0]
         self.sync_weights()
         return out
 

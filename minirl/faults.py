@@ -1,0 +1,80 @@
+"""Failures of one request, attributed and bounded, for the async generators (actors/generation.py):
+
+    batches, failed = run_each(gen.generate, items)     # failed: [(uid, "ValueError: ...")]
+    reward = bounded(reward_fn, 30.0, "reward_fn")      # TimeoutError instead of a hang
+    check_settings("RolloutServer", group_size, sampling, reward_fn, 30.0, "stop", {})   # before engines
+
+No Ray here. Tests: `pytest tests/test_hub.py -k faults`. Hardware: CPU (any).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+
+def run_each(fn: Callable[[list], list], items: list) -> tuple[list, list]:
+    """fn(items) -> (its results, []); if it raises, fn is tried again on halves down to single
+    items, so only the items that fail on their own come back, as [(item.uid, cause)]."""
+    try:
+        return list(fn(items)), []
+    except Exception as e:
+        if len(items) <= 1:
+            return [], [(it.uid, f"{type(e).__name__}: {e}"[:2000]) for it in items]
+    halves = [run_each(fn, part) for part in (items[:len(items) // 2], items[len(items) // 2:])]
+    return [r for rs, _ in halves for r in rs], [f for _, fs in halves for f in fs]
+
+
+def bounded(fn: Callable, timeout_s: float | None, what: str = "the call") -> Callable:
+    """fn, but a call still running after timeout_s raises TimeoutError naming `what` (Python
+    cannot interrupt it: it goes on in a daemon thread, its result unused). None: fn itself."""
+    if timeout_s is None:
+        return fn
+    if not timeout_s > 0:
+        raise ValueError(f"{what}: timeout must be > 0 s (or None: no bound), got {timeout_s}")
+
+    def call(*args, **kwargs):
+        box: list = []
+        worker = threading.Thread(target=lambda: box.append(_outcome(fn, args, kwargs)), daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if not box:
+            raise TimeoutError(f"{what} did not return within {timeout_s} s")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+    return call
+
+
+def _outcome(fn, args, kwargs) -> tuple[bool, object]:
+    try:
+        return True, fn(*args, **kwargs)
+    except Exception as e:
+        return False, e
+
+
+def check_settings(who: str, group_size, sampling: dict | None, reward_fn, reward_timeout_s, on_failure: str,
+                   minimums: dict) -> None:
+    """Refuse, naming the fix, settings with which every request would fail: group_size < 1,
+    SamplingParams vLLM rejects (max_tokens=0, unknown keys...), a reward_fn that is not callable,
+    reward_timeout_s <= 0, an unknown on_failure, and minimums {name: (value, lowest allowed)}."""
+    from minirl import vllm_compat as vc
+    for name, (v, low) in {"group_size": (group_size, 1), **minimums}.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= low:
+            raise ValueError(f"{who}: {name}={v!r}, must be a number >= {low:g}")
+    if not callable(reward_fn):
+        raise TypeError(f"{who}: reward_fn must be callable as reward_fn(prompt, completion[, metadata]), "
+                        f"got {reward_fn!r:.80}")
+    if reward_timeout_s is not None and not reward_timeout_s > 0:
+        raise ValueError(f"{who}: reward_timeout_s={reward_timeout_s!r}, must be > 0 s (or None: unbounded)")
+    if on_failure not in ("stop", "skip"):
+        raise ValueError(f"{who}: on_failure={on_failure!r}: choose 'stop' (a failed prompt ends the run) "
+                         "or 'skip' (it is recorded and the run goes on)")
+    try:
+        vc.SamplingParams(**{"logprobs": 0, **(sampling or {}), "n": group_size})
+    except Exception as e:        # vLLM's VLLMValidationError is no ValueError
+        raise ValueError(f"{who}: sampling={sampling!r} with n=group_size={group_size}: {e}") from None
+
+
+__all__ = ["bounded", "check_settings", "run_each"]

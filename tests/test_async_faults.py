@@ -1,0 +1,170 @@
+"""Faults on the async backend (local Ray, CPU): bad settings refused before any engine starts, a
+prompt whose request fails (too long, reward_fn raised or blocked) stopping the run or skipped
+and recorded (never retried), a generator whose __init__ fails naming its cause, and the trainer
+alone killed at a seeded moment and resumed from its checkpoint: every prompt trained exactly
+once, and the generators back on the restored weights.
+
+Run: `pytest tests/test_async_faults.py` (about 2 minutes on 2 cores). Hardware: CPU.
+"""
+
+import random
+import sys
+import time
+from collections import Counter
+
+import pytest
+import ray
+
+from actors.server import RolloutServer
+from minirl.checkpoint import Checkpointer, read_state
+from minirl.core import ppo_loss_fn
+from minirl.tasks import get_task
+
+pytestmark = pytest.mark.slow
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # loops below run in actors
+
+LLM = {"max_model_len": 128, "enforce_eager": True}
+SETTINGS = {"reward_fn": lambda p, c: 0.0, "group_size": 4, "sampling": {"max_tokens": 2}}
+
+
+def picky_reward(prompt, completion, answer):
+    """succ's reward, except for prompts whose answer says to raise or to block."""
+    if answer == "raise":
+        raise KeyError("no reference answer for this prompt")
+    if answer == "block":
+        time.sleep(120)
+    return float(completion.strip() == str(answer))
+
+
+@pytest.mark.parametrize("change, error, msg", [
+    ({"group_size": 0}, ValueError, "group_size=0, must be a number >= 1"),
+    ({"sampling": {"max_tokens": 0}}, ValueError, "max_tokens must be at least 1"),
+    ({"sampling": {"max_token": 2}}, ValueError, "Unexpected keyword argument 'max_token'"),
+    ({"reward_fn": "math"}, TypeError, "reward_fn must be callable"),
+    ({"reward_timeout_s": 0}, ValueError, "reward_timeout_s=0, must be > 0"),
+    ({"on_failure": "retry"}, ValueError, "choose 'stop'"),
+    ({"queue_size": 0}, ValueError, "queue_size=0"),
+    ({"prompts_per_call": 0}, ValueError, "prompts_per_call=0"),
+])
+def test_bad_settings_refused_before_any_engine(tiny_model, change, error, msg):
+    t0 = time.time()
+    with pytest.raises(error, match=msg):
+        RolloutServer(tiny_model, "never", **{**SETTINGS, **change})
+    assert not ray.is_initialized() and time.time() - t0 < 120    # no cluster, no engine (import: slow)
+
+
+def _failing_server(tiny_model, name, on_failure):
+    """8 succ prompts; uid 2's reward raises, uid 5's blocks, uid 6 is longer than max_model_len."""
+    prompts, answers = get_task("succ").sample(8, seed=1)
+    answers[2], answers[5] = "raise", "block"
+    prompts[6] = list(range(10, 210))
+    srv = RolloutServer(tiny_model, name, reward_fn=picky_reward, num_generators=1, group_size=2,
+                        sampling={"max_tokens": 2}, queue_size=8, prompts_per_call=4, llm_kwargs=LLM,
+                        on_failure=on_failure, reward_timeout_s=2.0)
+    srv.submit(prompts, metadata=answers)
+    return srv
+
+
+def test_failed_prompts_skipped_and_recorded(ray_local, tiny_model):
+    srv = _failing_server(tiny_model, "q-skip", "skip")
+    srv.run(block=False)
+    taken = []
+    while got := ray.get(srv.queue.get.remote(2, 120), timeout=150):
+        taken += [b.uid for b in got]
+    stats = srv.wait(timeout_s=60)
+    failures = srv.failures()
+    assert sorted(taken) == [0, 1, 3, 4, 7] and stats["failed"] == 3       # the rest, once each
+    assert set(failures) == {2, 5, 6}                                        # each once, never retried
+    assert "KeyError" in failures[2] and "no reference answer" in failures[2]
+    assert "TimeoutError: reward_fn did not return within 2.0 s" in failures[5]
+    assert "max_model_len" in failures[6] or "maximum model length" in failures[6]
+    srv.shutdown(remove_queue=True)
+
+
+def test_failed_prompt_stops_the_run_with_its_cause(ray_local, tiny_model):
+    srv = _failing_server(tiny_model, "q-stop", "stop")
+    srv.run(block=False)
+    t0 = time.time()
+    with pytest.raises(RuntimeError, match=r"prompt uid (2|5|6) failed on gen-\w+: .*on_failure='skip'"):
+        while ray.get(srv.queue.get.remote(2, 120), timeout=150):
+            pass
+    assert time.time() - t0 < 90                             # fails fast, no retry loop
+    with pytest.raises(RuntimeError, match="The run stops"):
+        srv.wait(timeout_s=60)                               # the server side ends too, with the cause
+    srv.shutdown(remove_queue=True)
+
+
+def test_generator_init_failure_names_its_cause(ray_local, tiny_model):
+    with pytest.raises(RuntimeError, match=r"generator gen-\w+ failed to start: .*no_such_engine_arg"):
+        RolloutServer(tiny_model, "q-init", **SETTINGS, llm_kwargs={**LLM, "no_such_engine_arg": 1},
+                      ready_timeout_s=120)
+    ray.kill(ray.get_actor("q-init", namespace="minirl"))
+
+
+# ---- the trainer alone killed at a seeded moment, resumed from its checkpoint ------------------
+
+N = 32
+
+
+def _train(worker, root, every):
+    """Train until the queue is finished, a checkpoint every `every` steps. Returns the uids."""
+    ckpt, step, uids = Checkpointer(root), len(worker.trained_uids) // 4, []
+    for batches in worker.pull_rollouts():
+        step += 1
+        uids += [b.uid for b in batches]
+        worker.trainer.forward_backward([r for b in batches for r in b.compute_advantages()], ppo_loss_fn())
+        worker.trainer.optim_step()
+        worker.sync_weights()
+        if step % every == 0:
+            worker.save_checkpoint(ckpt, step)
+        time.sleep(0.2)                      # a moment for the test to kill us mid-run
+    return uids
+
+
+def _resume(worker, root):
+    """Load the checkpoint (the queue rolls back, generators get the restored weights), then train."""
+    worker.load_checkpoint(Checkpointer(root))
+    gens = ray.get(worker.queue.workers.remote(), timeout=60)
+    versions = {ray.get(h.info.remote(), timeout=60)["version"] for h in gens.values()}
+    restored = (worker.policy_version, versions, list(worker.trained_uids))
+    _train(worker, root, 100)
+    return restored, list(worker.trained_uids), worker.policy_version
+
+
+@pytest.mark.parametrize("seed", [0])
+def test_trainer_killed_alone_and_resumed_trains_every_prompt_once(ray_local, tiny_model, tmp_path, seed):
+    from actors.training import start_trainers
+    rng, root = random.Random(seed), str(tmp_path / "ck")
+    prompts, answers = get_task("succ").sample(N, seed=seed)
+    srv = RolloutServer(tiny_model, "q-trainer-kill", reward_fn=get_task("succ").reward, num_generators=1,
+                        group_size=4, sampling={"max_tokens": 2}, queue_size=8, prompts_per_call=4,
+                        llm_kwargs=LLM)
+    srv.submit(prompts, metadata=answers)
+    srv.run(block=False)
+    kw = {"lr": 1e-3, "batch_size": 4, "max_staleness": 1}
+    pg, (trainer,) = start_trainers(1, tiny_model, "q-trainer-kill", **kw)
+    run1 = trainer.run.remote(_train, root, 2)
+    kill_at, deadline = rng.randint(10, 20), time.time() + 300    # delivered: past the step-2 checkpoint
+    while srv.queue_stats()["delivered"] < kill_at and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(rng.uniform(0, 1.0))
+    ray.kill(trainer)                        # the server and the generator keep running
+    ray.util.remove_placement_group(pg)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(run1, timeout=60)
+    lost_version = srv.queue_stats()["version"]
+    ck = read_state(Checkpointer(root).latest())["state"]
+    assert len(ck["trained_uids"]) < srv.queue_stats()["delivered"]   # the dead trainer pulled past it
+
+    pg, (trainer,) = start_trainers(1, tiny_model, "q-trainer-kill", **kw)
+    (version, gen_versions, before), trained, final = ray.get(trainer.run.remote(_resume, root), timeout=600)
+    srv.wait(timeout_s=120)
+    assert before == ck["trained_uids"]
+    assert version > lost_version and gen_versions == {version}    # back on the restored weights
+    assert sorted(trained) == list(range(N)) and set(Counter(trained).values()) == {1}
+    assert srv.queue_stats()["rolled_back"] > 0
+    info = [ray.get(g["actor"].info.remote(), timeout=60) for g in srv.generators.values()]
+    assert {i["version"] for i in info} == {final}
+    srv.shutdown(remove_queue=True)
+    ray.kill(trainer)
+    ray.util.remove_placement_group(pg)
