@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from minirl import vllm_compat as vc
 from minirl.trainer import Trainer, TrainerConfig, check_model_path, precision
-from minirl.weights import SyncError, check_sync, probe_gap  # noqa: F401  (SyncError: public here)
+from minirl.weights import SyncError, check_sync, check_tolerance, probe_gap  # noqa: F401 (public)
 
 GIB = 1 << 30
 
@@ -50,6 +50,9 @@ class WeightManagerConfig:
     probe_text: str = "The quick brown fox jumps over the lazy dog. 0123456789 = 3+4"
     probe_tolerance: float | None = None
     """Max mean |vLLM - trainer| probe log-prob gap; None: 2e-3 for fp32 engines, 0.05 else."""
+
+    def __post_init__(self):
+        check_tolerance(self.probe_tolerance)
 
 
 class WeightManager:

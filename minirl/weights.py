@@ -161,10 +161,19 @@ def probe_gap(trainer_lp, engine_lp) -> float:
     return gap if math.isfinite(gap) else math.inf
 
 
+def check_tolerance(tolerance) -> None:
+    """ValueError unless the probe tolerance is None or a finite number >= 0 (checked at config time)."""
+    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
+                                  or not math.isfinite(tolerance) or tolerance < 0):
+        raise ValueError(f"probe_tolerance must be a finite number >= 0 (the largest mean |engine - trainer| "
+                         f"probe log-prob gap a sync may show), or None for 2e-3 (fp32) / 0.05; got {tolerance!r}")
+
+
 def check_sync(gap: float, stuck: bool, *, tolerance: float | None, engine_dtype: torch.dtype,
                where: str, version: int) -> None:
     """Raise SyncError when the engine's weights did not change although the trainer's did
     (`stuck`), or the probe gap exceeds the tolerance (default 2e-3 for fp32 engines, else 0.05)."""
+    check_tolerance(tolerance)
     if tolerance is None:
         tolerance = 2e-3 if engine_dtype == torch.float32 else 0.05
     if stuck:
