@@ -32,12 +32,14 @@ def train(args, worker: TrainWorker, log, ckpt=None, start=1):
 
 def run(args):
     """Build the TrainWorker (and the generation side, by --role), train, plot."""
+    if args.dynamic_sampling or args.eval_every:
+        raise SystemExit("--dynamic-sampling and --eval-every are co-located only (launch/colocated.py)")
     srv = common.start_server(args)                             # --role server: the whole job
     if args.role == "server":
         return
     worker = common.train_worker(args)
     ckpt, start = common.resumed(args, worker)
-    with common.tracked(args, worker.trainer) as log:
+    with common.tracked(args, worker.trainer, start) as log:
         train(args, worker, log, ckpt, start)
     common.finish(worker, srv)
 

@@ -7,38 +7,47 @@
 The training block and the command line are launch/common.py's, shared by both loops: only
 where rollouts come from differs (`diff launch/colocated.py launch/async.py`). Default: a tiny
 random Qwen3 and the built-in `succ` task ("7+1=" -> "8"), where a random model scores ~1/64.
-Writes RUN_DIR/metrics.jsonl, TensorBoard logs and reward_curve.png. Hardware: CPU, or GPUs.
+Real data: `--task gsm8k --data train.jsonl --eval-size 200 --eval-every 10` (math, code alike;
+README: the recipe). Writes RUN_DIR/metrics.jsonl, TensorBoard logs and reward_curve.png (held-out
+pass@k beside the reward). Hardware: CPU, or GPUs.
 """
 
 import time
+from functools import partial
 
 from vllm import SamplingParams
 
 import common
 from minirl import WeightManager, parse_vllm_outputs
-from minirl.tasks import get_task
 
 
 def train(args, wm: WeightManager, log, ckpt=None, start=1):
     """The loop: generate with the latest weights, score, train. One screen, user code."""
-    task = get_task(args.task)
-    for step in range(start, args.steps + 1):
-        t1 = time.perf_counter()
-        seed = (args.seed * 1000 + step) * 64 + wm.rank.rank    # prompts and samples depend on
-        prompts, answers = task.sample(args.prompts, seed=seed)  # the step only: exact resume
+    task = common.make_task(args)                               # prompts, references, reward_fn
+
+    def rollouts(step, round):                                  # one round of prompts, scored
+        seed = (args.seed * 1000 + step) * 64 + wm.rank.rank + round * 2**40   # prompts and samples
+        prompts, answers = task.sample(args.prompts, seed=seed)  # depend on the step only: exact resume
         sampling = [SamplingParams(n=args.group_size, temperature=1.0, max_tokens=args.max_tokens,
                                    logprobs=0, detokenize=False, seed=seed * 1000 + i)
                     for i in range(len(prompts))]
         llm = wm.as_vllm()                                      # syncs weights if they changed
         outputs = llm.generate(prompts, sampling, use_tqdm=False)
-        batches = parse_vllm_outputs(outputs, args.group_size, task.reward, metadata=answers,
-                                     tokenizer=llm.get_tokenizer())
-        t2 = time.perf_counter()
-        wm.as_trainable()
-        metrics = common.train_step(wm.trainer, batches, args, step)   # the loss and the metrics
-        t3 = time.perf_counter()
-        log(step, common.with_timings(metrics, wm, t2 - t1, t3 - t2))
-        if ckpt is not None and step % args.save_every == 0:
+        return parse_vllm_outputs(outputs, args.group_size, task.reward, metadata=answers,
+                                  tokenizer=llm.get_tokenizer())
+
+    for step in range(start - 1, args.steps + 1):
+        if step >= start:
+            t1 = time.perf_counter()
+            batches, kept = common.select(partial(rollouts, step), args)   # --dynamic-sampling: refills
+            t2 = time.perf_counter()
+            wm.as_trainable()
+            metrics = common.train_step(wm.trainer, batches, args, step)   # the loss and the metrics
+            t3 = time.perf_counter()
+            log(step, common.with_timings(metrics | kept, wm, t2 - t1, t3 - t2))
+        if common.eval_due(args, step, start):                  # held-out pass@1 / pass@k, lengths
+            log(step, common.evaluate(wm.as_vllm(), task, args, wm.rank.rank, wm.rank.world_size))
+        if ckpt is not None and step >= start and step % args.save_every == 0:
             wm.save_checkpoint(ckpt, step)
 
 
@@ -46,7 +55,7 @@ def run(args):
     """Build the WeightManager (and the tiny model if none was given), train, plot."""
     wm = WeightManager(common.model_path(args), config=common.manager_config(args), **common.llm_kwargs(args))
     ckpt, start = common.resumed(args, wm)
-    with common.tracked(args, wm.trainer) as log:
+    with common.tracked(args, wm.trainer, start) as log:
         train(args, wm, log, ckpt, start)
     wm.close()
 

@@ -19,14 +19,25 @@ from minirl.trainer import TrainerConfig
 
 
 def parse_args(doc: str, run_dir: str, argv=None):
-    """The command line of both loops; flags marked (co-located) or (async) matter to one only."""
+    """The command line of both loops; flags marked (co-located) or (async) matter to one only.
+    Nonsense values (zero steps, a negative rate, ...) stop here, naming the flag and its range."""
+    from minirl.tasks import DATA_TASKS, TASKS
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
     add("--model", default=None, help="HF name or path (default: build the tiny model)")
-    add("--task", default="succ", help="built-in task: copy, succ, add")
+    add("--task", default="succ", choices=[*TASKS, *DATA_TASKS],
+        help="built-in toy (copy, succ, add) or dataset task (gsm8k, math, code: needs --data)")
+    add("--data", default=None, help="JSONL, parquet or a datasets.save_to_disk directory (dataset tasks)")
+    add("--prompt-key", default=None, help="field of the question (default: the task's, e.g. question)")
+    add("--answer-key", default=None, help="field of the reference (default: the task's, e.g. answer)")
+    add("--eval-size", type=int, default=0, help="rows held out for evaluation (picked by --seed)")
+    add("--system-prompt", default=None, help="system turn of the chat template")
+    add("--thinking", default=None, action=argparse.BooleanOptionalAction,
+        help="enable_thinking of Qwen3-style chat templates (default: the template's)")
+    add("--no-chat-template", action="store_true", help="plain-text prompts even if the tokenizer has a template")
     add("--steps", type=int, default=60)
     add("--prompts", type=int, default=32, help="prompts per step per rank")
-    add("--group-size", type=int, default=8)
+    add("--group-size", type=int, default=8, help="samples per prompt (GRPO needs >= 2)")
     add("--max-tokens", type=int, default=2, help="completion tokens at most")
     add("--max-model-len", type=int, default=256)
     add("--epochs", type=int, default=1, help="passes over each batch")
@@ -35,6 +46,14 @@ def parse_args(doc: str, run_dir: str, argv=None):
     add("--activation-checkpointing", action="store_true")
     add("--lr", type=float, default=2e-3)
     add("--seed", type=int, default=0)
+    add("--eval-every", type=int, default=0, metavar="K", help="evaluate on the held-out rows every K steps")
+    add("--eval-samples", type=int, default=4, help="sampled completions per held-out prompt (pass@k)")
+    add("--eval-k", type=int, default=4, help="k of pass@k (<= --eval-samples)")
+    add("--dynamic-sampling", action="store_true", help="(co-located) DAPO: drop all-equal groups, refill")
+    add("--refill-rounds", type=int, default=4, help="(co-located) generation rounds per step at most")
+    add("--overlong-filter", action="store_true", help="truncated completions get no gradient")
+    add("--overlong-cache", type=int, default=0, metavar="L",
+        help="DAPO over-long penalty: 0 up to max-tokens - L, then down to -1 at max-tokens (0: off)")
     add("--run-dir", default=run_dir)
     add("--backends", default="tensorboard", help="comma list: tensorboard,wandb,mlflow")
     add("--save-every", type=int, default=0, metavar="K", help="checkpoint every K steps (0: never)")
@@ -54,10 +73,35 @@ def parse_args(doc: str, run_dir: str, argv=None):
     add("--gen-resources", default=None, type=json.loads,
         help='(async) one generator\'s bundle, e.g. \'{"CPU": 1, "GPU": 1, "gen_pool": 1}\'')
     args = p.parse_args(argv)
-    for name in ("steps", "prompts", "group_size", "max_tokens", "epochs", "optim_steps", "micro_batch_tokens"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if problem := check_args(args):
+        p.error(problem)
     return args
+
+
+AT_LEAST = {"steps": 1, "prompts": 1, "group_size": 2, "max_tokens": 1, "max_model_len": 2, "epochs": 1,
+            "optim_steps": 1, "micro_batch_tokens": 1, "generators": 1, "eval_samples": 1, "eval_k": 1,
+            "refill_rounds": 1, "eval_every": 0, "eval_size": 0, "save_every": 0, "max_staleness": 0,
+            "ray": 0, "overlong_cache": 0}
+
+
+def check_args(args) -> str | None:
+    """The first nonsense value among the parsed flags, as a message naming the flag and its range."""
+    flag = lambda name: "--" + name.replace("_", "-")
+    for name, low in AT_LEAST.items():
+        if getattr(args, name) < low:
+            return f"{flag(name)} must be >= {low}, got {getattr(args, name)}"
+    for name, ok, rng in (("lr", lambda v: 0 < v < float("inf"), "a finite number > 0"),
+                          ("kv_cache_gib", lambda v: v is None or v > 0, "> 0"),
+                          ("gpu_memory_utilization", lambda v: v is None or 0 < v <= 1, "in (0, 1]")):
+        if not ok(getattr(args, name)):
+            return f"{flag(name)} must be {rng}, got {getattr(args, name)}"
+    rules = ((args.eval_k > args.eval_samples, f"--eval-k {args.eval_k} must be <= --eval-samples {args.eval_samples}"),
+             (args.overlong_cache > args.max_tokens,
+              f"--overlong-cache must be in [0, --max-tokens={args.max_tokens}], got {args.overlong_cache}"),
+             (args.eval_every > 0 and args.eval_size == 0, "--eval-every needs held-out rows: set --eval-size N"),
+             (args.max_tokens >= args.max_model_len,
+              f"--max-tokens {args.max_tokens} must be < --max-model-len {args.max_model_len} (the prompt needs room)"))
+    return next((msg for bad, msg in rules if bad), None)
 
 
 def trainer_config(args) -> TrainerConfig:
@@ -84,9 +128,13 @@ def train_step(trainer, batches, args, step: int) -> dict:
     steps of accumulated packed micro-batches; every loss is the token mean over the global
     batch. Returns the step's metrics (token means over every rank)."""
     import torch
+    from minirl import filters
     staleness = trainer.policy_version - min(b.policy_version for b in batches)   # versions behind
+    shaped = filters.overlong_penalty(batches, max_tokens=args.max_tokens, cache=args.overlong_cache) \
+        if args.overlong_cache else {}
     for b in batches:
         b.compute_advantages()
+    shaped |= filters.overlong_filter(batches) if args.overlong_filter else {}
     rollouts = [r for b in batches for r in b]
     mine = trainer.rebalance(rollouts)                   # ranks hold about as many tokens
     loss_fn, seen = ppo_loss_fn(clip_high=0.28), []
@@ -103,7 +151,45 @@ def train_step(trainer, batches, args, step: int) -> dict:
             "approx_kl": mean["approx_kl"], "entropy": mean["entropy"], "ratio_mean": mean["ratio"],
             "grad_norm": mean["grad_norm"], "tokens/trained": mean["tokens"], "staleness": staleness,
             "len/completion": sum(len(r.completion_ids) for r in rollouts) / len(rollouts),
-            "len/prompt": sum(len(r.prompt_ids) for r in rollouts) / len(rollouts)}
+            "len/prompt": sum(len(r.prompt_ids) for r in rollouts) / len(rollouts),
+            "len/truncated": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts), **shaped}
+
+
+def make_task(args):
+    """The run's Task: a toy, or --data read with the model's tokenizer (its chat template)."""
+    from minirl.tasks import DATA_TASKS, load_task
+    tokenizer = None
+    if args.task in DATA_TASKS and args.model and not args.no_chat_template:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    return load_task(args.task, data=args.data, tokenizer=tokenizer, prompt_key=args.prompt_key,
+                     answer_key=args.answer_key, eval_size=args.eval_size, seed=args.seed,
+                     system_prompt=args.system_prompt, thinking=args.thinking)
+
+
+def select(generate, args) -> tuple[list, dict]:
+    """generate(0)'s groups, or with --dynamic-sampling DAPO's: groups whose rewards all agree are
+    dropped and generate(1), generate(2), ... refill the batch (minirl.filters.dynamic_sampling)."""
+    from minirl.filters import dynamic_sampling
+    if not args.dynamic_sampling:
+        return generate(0), {}
+    return dynamic_sampling(generate, args.prompts, max_rounds=args.refill_rounds)
+
+
+def eval_due(args, step: int, start: int = 1) -> bool:
+    """Evaluate before the first step of a fresh run (step 0), every --eval-every steps and at the end."""
+    return bool(args.eval_every) and (step % args.eval_every == 0 or step == args.steps or step == start - 1 == 0)
+
+
+def evaluate(llm, task, args, rank: int = 0, world: int = 1) -> dict:
+    """eval/... metrics of `llm` on this rank's share of the held-out rows (minirl.evaluation)."""
+    from minirl.evaluation import evaluate
+    mine = task.held_out[rank::world]
+    if not mine:
+        raise ValueError(f"--eval-size {len(task.held_out)} gives rank {rank} of {world} no rows: raise it")
+    prompts, answers = map(list, zip(*mine))
+    return evaluate(llm, prompts, answers, task.reward, max_tokens=args.max_tokens,
+                    samples=args.eval_samples, k=args.eval_k, seed=args.seed)
 
 
 def with_timings(metrics: dict, owner, rollouts_s: float, train_s: float) -> dict:
@@ -114,14 +200,16 @@ def with_timings(metrics: dict, owner, rollouts_s: float, train_s: float) -> dic
 
 
 @contextlib.contextmanager
-def tracked(args, trainer):
+def tracked(args, trainer, start: int = 1):
     """log(step, metrics): metrics averaged over the ranks, written by rank 0 (metrics.jsonl,
-    TensorBoard...); the reward curve is drawn at the end."""
+    TensorBoard...); records of steps >= start (a resumed run's) are dropped first; the reward
+    and evaluation curves are drawn at the end."""
     import torch
     import torch.distributed as dist
     from minirl.tracking import Tracker, plot_metrics
     backends = tuple(b for b in args.backends.split(",") if b)
-    with Tracker(args.run_dir, backends=backends, total_steps=args.steps, config=vars(args)) as tracker:
+    with Tracker(args.run_dir, backends=backends, total_steps=args.steps, config=vars(args),
+                 start_step=start) as tracker:
         def log(step, metrics):
             keys = sorted(metrics)
             v = torch.tensor([float(metrics[k]) for k in keys], device=trainer.device)
@@ -151,10 +239,9 @@ def start_server(args):
     """(async) The generation side: a pool of vLLM actors working through every prompt of the
     run. With --role server this is the whole job: it returns (shut down) when the trainer is done."""
     from actors.server import RolloutServer
-    from minirl.tasks import get_task
     if args.role == "trainer":
         return None
-    task = get_task(args.task)
+    task = make_task(args)
     prompts, answers = task.sample(args.steps * args.prompts, seed=args.seed)
     srv = RolloutServer(model_path(args), args.queue, reward_fn=task.reward, num_generators=args.generators,
                         group_size=args.group_size, sampling={"max_tokens": args.max_tokens},
