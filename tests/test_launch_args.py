@@ -1,0 +1,70 @@
+"""The launch command line refuses nonsense before any engine starts: each bad value exits with
+status 2 and a message naming the flag and its valid range. Also: the cluster's dashboard listens
+on loopback only. CPU only, no engine; a few seconds."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "launch"))
+import common  # noqa: E402  launch/common.py, as the launch scripts import it
+
+
+def _error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        common.parse_args("doc", "runs/x", argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompts", "0"], "--prompts must be >= 1, got 0"),
+    (["--epochs", "0"], "--epochs must be >= 1, got 0"),
+    (["--micro-batch-tokens", "0"], "--micro-batch-tokens must be >= 1, got 0"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--steps", "-3"], "--steps must be >= 1, got -3"),
+    (["--group-size", "0"], "--group-size must be >= 2, got 0"),
+    (["--group-size", "1"], "--group-size must be >= 2, got 1"),
+    (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+    (["--optim-steps", "-1"], "--optim-steps must be >= 1, got -1"),
+    (["--generators", "0"], "--generators must be >= 1, got 0"),
+    (["--save-every", "-1"], "--save-every must be >= 0, got -1"),
+    (["--eval-every", "-2"], "--eval-every must be >= 0, got -2"),
+    (["--max-staleness", "-1"], "--max-staleness must be >= 0, got -1"),
+    (["--ray", "-1"], "--ray must be >= 0, got -1"),
+    (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+    (["--lr", "-0.5"], "--lr must be a finite number > 0, got -0.5"),
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--kv-cache-gib", "0"], "--kv-cache-gib must be > 0, got 0.0"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1], got 1.5"),
+    (["--eval-samples", "2", "--eval-k", "4"], "--eval-k 4 must be <= --eval-samples 2"),
+    (["--eval-every", "5"], "--eval-every needs held-out rows: set --eval-size N"),
+    (["--max-tokens", "8", "--overlong-cache", "9"], "--overlong-cache must be in [0, --max-tokens=8], got 9"),
+    (["--max-tokens", "256"], "--max-tokens 256 must be < --max-model-len 256 (the prompt needs room)"),
+    (["--task", "gsm9k"], "argument --task: invalid choice: 'gsm9k'"),
+])
+def test_nonsense_values_fail_at_parse_time(argv, message, capsys):
+    assert message in _error(argv, capsys)
+
+
+def test_defaults_and_good_values_parse():
+    args = common.parse_args("doc", "runs/x", [])
+    assert (args.steps, args.prompts, args.group_size, args.task, args.eval_every) == (60, 32, 8, "succ", 0)
+    args = common.parse_args("doc", "runs/x", ["--task", "gsm8k", "--data", "d.jsonl", "--eval-size", "8",
+                                               "--eval-every", "2", "--no-thinking", "--max-tokens", "8"])
+    assert (args.task, args.eval_size, args.thinking) == ("gsm8k", 8, False)
+
+
+def test_eval_schedule():
+    args = common.parse_args("doc", "runs/x", ["--steps", "7", "--eval-every", "3", "--eval-size", "4"])
+    assert [s for s in range(0, 8) if common.eval_due(args, s)] == [0, 3, 6, 7]
+    assert [s for s in range(4, 8) if common.eval_due(args, s, start=5)] == [6, 7]   # resumed: no baseline
+
+
+def test_cluster_dashboard_is_loopback_only():
+    cfg = yaml.safe_load((ROOT / "launch" / "cluster.yaml").read_text())
+    head = " ".join(cfg["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in (ROOT / "launch" / "cluster.yaml").read_text()
