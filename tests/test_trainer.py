@@ -103,7 +103,12 @@ def test_non_finite_gradient_is_refused(trainer):
     rs = _rollouts(2)
     rs[0].advantage = float("nan")
     before = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters()}
+    with pytest.raises(ValueError, match="advantages hold"):      # the loss refuses a NaN input
+        trainer.forward_backward(rs, ppo_loss_fn(entropy=False))
+    rs[0].advantage = 1.0
     trainer.forward_backward(rs, ppo_loss_fn(entropy=False))
+    with torch.no_grad():
+        next(trainer.model.parameters()).grad.mul_(float("nan"))  # a gradient gone non-finite
     with pytest.raises(FloatingPointError, match="refused"):
         trainer.optim_step()
     assert all(torch.equal(before[n], p.full_tensor()) for n, p in trainer.model.named_parameters())
