@@ -150,6 +150,10 @@ def test_extract_code(completion, expected):
     (F + "if __name__ == '__main__':\n    input()", ["assert f(0) == 1"], "ok", 1),
     ("import sys; data = sys.stdin.read()", ["assert data == ''"], "ok", 1),
     (F + "print('0' * 32 + '[\"ok\", 9]')", ["assert False"], "fail", 0),  # no nonce: ignored
+    ("def f(x): return f(x)", ["f(1)", "assert True"], "fail", 1),  # RecursionError fails one test
+    ("raise KeyboardInterrupt", ["assert True"], "fail", 0),
+    ("x = []", ["x.append(1)", "assert x == [1]", "assert len(x) == 2"], "fail", 2),  # tests share names
+    ("import socket", ["assert socket.AF_INET"], "ok", 1),       # importing is fine, connecting is not
 ])
 def test_run_code(code, tests, status, passed):
     r = run_code(code, tests, memory_mb=256)
@@ -162,6 +166,7 @@ def test_run_code(code, tests, status, passed):
     "import subprocess; subprocess.run(['true'])",
     "import os; os.kill(os.getppid(), 9)",                       # would kill the caller
     "import ctypes",
+    "import socket; socket.socket()",
 ])
 def test_run_code_refuses_processes_and_signals(code):
     r = run_code(code, "assert True")
@@ -256,6 +261,11 @@ def test_code_reward_rejects_bad_tests(tests, error, match):
     ("<think>a<answer>72</answer></think>", {"tags": ("think", "answer")}, 0.0),  # nested
     ("<think>a</think><think>b</think><answer>7</answer>", {"tags": ("think", "answer")}, 0.0),
     ("<answer>\\boxed{\\frac{1}{2}}</answer>", {"tags": ["answer"], "boxed": True}, 1.0),
+    ("<answer>72</answer>\n", {}, 1.0),
+    ("<answer>72</answer >", {}, 0.0),                          # not exactly the closing tag
+    ("</answer>72<answer>", {}, 0.0),                           # reversed
+    ("<think></think><answer>7</answer>", {"tags": ("think", "answer")}, 0.0),   # empty think
+    ("<answer>\\boxed{}</answer>", {"boxed": True}, 0.0),       # empty box inside the tags
 ])
 def test_format_reward(completion, kwargs, expected):
     assert format_reward(completion, **kwargs) == expected
