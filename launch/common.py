@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 from minirl.core import ppo_loss_fn
+from minirl.lora import LoRAConfig
+from minirl.reference import kl_penalty
 from minirl.trainer import TrainerConfig
 
 
@@ -44,6 +46,13 @@ def parse_args(doc: str, run_dir: str, argv=None):
     add("--optim-steps", type=int, default=1, help="optimizer steps per pass (gradients accumulated)")
     add("--micro-batch-tokens", type=int, default=16384, help="tokens per packed micro-batch")
     add("--activation-checkpointing", action="store_true")
+    add("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full fine-tuning)")
+    add("--lora-alpha", type=float, default=None, help="LoRA scale alpha / rank (default alpha: 2 x rank)")
+    add("--offload", action="store_true", help="parameters, gradients and AdamW state on the host")
+    add("--kl-coef", type=float, default=0.0, help="KL penalty toward the starting policy")
+    add("--kl-estimator", default="k3", choices=["k1", "k2", "k3"])
+    add("--reference", action="store_true", help="log kl_ref (implied by --kl-coef)")
+    add("--reference-offload", action="store_true", help="the reference policy's shards on the host")
     add("--lr", type=float, default=2e-3)
     add("--seed", type=int, default=0)
     add("--eval-every", type=int, default=0, metavar="K", help="evaluate on the held-out rows every K steps")
@@ -105,8 +114,12 @@ def check_args(args) -> str | None:
 
 
 def trainer_config(args) -> TrainerConfig:
+    lora = args.lora_rank and LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha or 2 * args.lora_rank)
     return TrainerConfig(lr=args.lr, seed=args.seed, micro_batch_tokens=args.micro_batch_tokens,
-                         activation_checkpointing=True if args.activation_checkpointing else None)
+                         activation_checkpointing=True if args.activation_checkpointing else None,
+                         lora=lora or None, cpu_offload=args.offload,
+                         reference_offload=args.reference_offload,
+                         reference=args.reference or args.kl_coef > 0)
 
 
 def manager_config(args):
@@ -138,6 +151,8 @@ def train_step(trainer, batches, args, step: int) -> dict:
     rollouts = [r for b in batches for r in b]
     mine = trainer.rebalance(rollouts)                   # ranks hold about as many tokens
     loss_fn, seen = ppo_loss_fn(clip_high=0.28), []
+    if trainer.config.reference:                         # + kl_coef * KL(policy || reference), logged
+        loss_fn = kl_penalty(loss_fn, coef=args.kl_coef, estimator=args.kl_estimator)
     for epoch in range(args.epochs):
         random.Random(step * 100 + epoch).shuffle(mine)
         for k in range(args.optim_steps):
@@ -148,6 +163,7 @@ def train_step(trainer, batches, args, step: int) -> dict:
     adv = torch.tensor([r.advantage for r in rollouts])
     return {"reward/mean": rewards.mean(), "reward/max": rewards.max(), "adv/std": adv.std(),
             "adv/abs_mean": adv.abs().mean(), "loss": mean["loss"], "clip_frac": mean["clip_frac"],
+            **{k: mean[k] for k in ("kl_ref",) if k in mean},
             "approx_kl": mean["approx_kl"], "entropy": mean["entropy"], "ratio_mean": mean["ratio"],
             "grad_norm": mean["grad_norm"], "tokens/trained": mean["tokens"], "staleness": staleness,
             "len/completion": sum(len(r.completion_ids) for r in rollouts) / len(rollouts),
