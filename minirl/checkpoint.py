@@ -5,14 +5,23 @@
     state = ckpt.load(model, optimizer, compat={...})       # the latest complete checkpoint
 
 A checkpoint, e.g. runs/x/checkpoints/step_00000012/, holds dcp/ (model + optimizer state, sharded, for
-any world size), rng_rank<r>.pt (each rank's python, numpy, torch and CUDA RNG states), state.json (step,
-the caller's JSON state, compat), objects.pt (the caller's other objects, e.g. queued rollouts; rank 0),
-optionally hf/ (the policy for transformers and vLLM), and MANIFEST.json (every file's size), written
-last, before the hidden temporary directory is renamed into place; one without a matching manifest is
-refused. The newest `keep` stay. Collective: every rank calls save / load (gloo, NCCL or no group).
+any world size), rng_rank<r>.json (each rank's python, numpy, torch and CUDA RNG states), state.json
+(step, the caller's JSON state, compat), objects.pt (the caller's other objects, e.g. queued rollouts;
+rank 0), optionally hf/ (the policy for transformers and vLLM), and MANIFEST.json (every file's size and
+sha256), written last, before the hidden temporary directory is renamed into place; one without a
+matching manifest (a file missing, cut short or changed in place) is refused. The newest `keep` stay.
+Collective: every rank calls save / load (gloo, NCCL or no group).
+
+Loading never runs code from the checkpoint: tensors come back through DCP and safetensors, RNG states
+and state as JSON, objects.pt through torch.load(weights_only=True) allowing only minirl's rollout types
+(Rollout, RolloutBatch, PromptItem) besides plain data and tensors; save refuses objects it would not load.
 """
 
+import base64
+import hashlib
+import io
 import json
+import pickle
 import os
 import random
 import shutil
@@ -38,22 +47,75 @@ def _barrier():
         dist.barrier()
 
 
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
 def _rng_state() -> dict:
-    s = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    return s | ({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {})
+    """Every RNG state as JSON: python's Mersenne state, numpy's keys, torch's (and CUDA's) bytes."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    s = {"python": [version, list(internal), gauss], "numpy": [name, keys.tolist(), pos, has_gauss, cached],
+         "torch": _b64(torch.get_rng_state())}
+    return s | ({"cuda": [_b64(t) for t in torch.cuda.get_rng_state_all()]} if torch.cuda.is_available() else {})
 
 
 def _set_rng_state(s: dict) -> None:
-    random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
-    torch.set_rng_state(s["torch"])
+    version, internal, gauss = s["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, *rest = s["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(_unb64(s["torch"]))
     if "cuda" in s and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
+        torch.cuda.set_rng_state_all([_unb64(t) for t in s["cuda"]])
 
 
-def _manifest(root: Path) -> dict[str, int]:
-    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*"))
+def _safe_types() -> list[type]:
+    """Classes objects.pt may hold besides plain data and tensors (the async queue's snapshot)."""
+    from minirl.data import Rollout, RolloutBatch
+    from minirl.hub import PromptItem
+    return [Rollout, RolloutBatch, PromptItem]
+
+
+def _safe_load(data: bytes):
+    """torch.load(weights_only=True) allowing _safe_types() too; others raise pickle.UnpicklingError."""
+    with torch.serialization.safe_globals(_safe_types()):
+        return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _why(e: Exception) -> str:
+    return str(e).splitlines()[0][:300]
+
+
+def _objects_blob(objects: dict) -> bytes:
+    """objects.pt's bytes, refused now if loading would refuse them later."""
+    buf = io.BytesIO()
+    torch.save(objects, buf)
+    try:
+        _safe_load(buf.getvalue())
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"cannot checkpoint these objects ({_why(e)}): keep them to dicts, lists, str, "
+                              "numbers, tensors and " + ", ".join(t.__name__ for t in _safe_types())) from None
+    return buf.getvalue()
+
+
+def _digest(p: Path) -> str:
+    with open(p, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _files(root: Path) -> dict[str, Path]:
+    return {str(p.relative_to(root)): p for p in sorted(root.rglob("*"))
             if p.is_file() and p.name != "MANIFEST.json"}
+
+
+def _manifest(root: Path) -> dict:
+    return {"format": 2, "files": {k: {"size": p.stat().st_size, "sha256": _digest(p)}
+                                   for k, p in _files(root).items()}}
 
 
 def verify(path: str | os.PathLike) -> Path:
@@ -66,12 +128,16 @@ def verify(path: str | os.PathLike) -> Path:
                               "while being written; delete it, or resume from an earlier one") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"checkpoint {path}: MANIFEST.json is corrupt ({e})") from e
-    have = _manifest(path)
+    if not isinstance(want, dict) or want.get("format") != 2:
+        raise CheckpointError(f"checkpoint {path} has no content checksums (written by an older minirl): "
+                              "it cannot be verified; resume from a newer one, or start from its hf/ export")
+    want, have = want["files"], _files(path)
     missing = sorted(set(want) - set(have))
-    wrong = sorted(f for f in want if f in have and have[f] != want[f])
-    if missing or wrong:
-        raise CheckpointError(f"checkpoint {path} is corrupt: missing {missing[:3]}, wrong size {wrong[:3]}; "
-                              "delete it, or resume from an earlier one")
+    wrong = sorted(f for f in want if f in have and have[f].stat().st_size != want[f]["size"])
+    changed = sorted(f for f in want if f in have and f not in wrong and _digest(have[f]) != want[f]["sha256"])
+    if missing or wrong or changed:
+        raise CheckpointError(f"checkpoint {path} is corrupt: missing {missing[:3]}, wrong size {wrong[:3]}, "
+                              f"checksum mismatch {changed[:3]}; delete it, or resume from an earlier one")
     return path
 
 
@@ -116,6 +182,7 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
         final, tmp = self.root / f"step_{step:08d}", self.root / f".tmp_step_{step:08d}"
+        blob = _objects_blob(objects) if objects else None    # before anything is written
         if _rank() == 0:
             if final.exists():
                 raise CheckpointError(f"checkpoint {final} already exists")
@@ -126,7 +193,7 @@ class Checkpointer:
         trained = StateDictOptions(ignore_frozen_params=True)     # frozen weights (a LoRA base) stay out
         msd, osd = get_state_dict(model, optimizer, options=trained)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / "dcp"))
-        torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+        (tmp / f"rng_rank{_rank()}.json").write_text(json.dumps(_rng_state()))
         if callable(hf_from):               # a writer of its own (LoRA: the merged model), collective
             hf_from(tmp / "hf")
         elif hf_from is not None:
@@ -135,8 +202,8 @@ class Checkpointer:
         if _rank() == 0:
             meta = {"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1}
             (tmp / "state.json").write_text(json.dumps(meta | {"state": state or {}, "compat": compat or {}}))
-            if objects:
-                torch.save(objects, tmp / "objects.pt")
+            if blob is not None:
+                (tmp / "objects.pt").write_bytes(blob)
             (tmp / "MANIFEST.json").write_text(json.dumps(_manifest(tmp)))
             os.replace(tmp, final)
             for old in self.complete()[:-self.keep]:
@@ -161,9 +228,9 @@ class Checkpointer:
         sd = dict(zip(("model", "optim"), get_state_dict(model, optimizer, options=trained)))
         dcp.load(sd, checkpoint_id=str(Path(path) / "dcp"))
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=trained)
-        rng = Path(path) / f"rng_rank{_rank()}.pt"
+        rng = Path(path) / f"rng_rank{_rank()}.json"
         if rng.exists():          # absent when resuming on more ranks than were saved
-            _set_rng_state(torch.load(rng, weights_only=False))
+            _set_rng_state(json.loads(rng.read_text()))
         return read_state(path)
 
 
@@ -186,5 +253,9 @@ def read_state(path: str | os.PathLike) -> dict:
     path = verify(path)
     meta = json.loads((path / "state.json").read_text())
     objects = path / "objects.pt"
-    return {"step": meta["step"], "state": meta["state"], "path": str(path),
-            "objects": torch.load(objects, weights_only=False) if objects.exists() else {}}
+    try:
+        loaded = _safe_load(objects.read_bytes()) if objects.exists() else {}
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{objects} holds a type outside minirl's allow-list; not loaded, as loading it "
+                              f"could run code from the file ({_why(e)})") from None
+    return {"step": meta["step"], "state": meta["state"], "path": str(path), "objects": loaded}

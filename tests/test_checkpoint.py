@@ -121,6 +121,68 @@ def test_resume_with_another_model_is_refused(wm, tmp_path):
         ckpt.load(wm.model, wm.optimizer, compat={**state["compat"], "model": model_identity(str(other))})
 
 
+class _Payload:
+    """Pickles as a call to open(marker, "w"): loading it with weights_only=False would create marker."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def _small_state(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_checksums_rng_json_and_no_code_from_a_checkpoint(tmp_path):
+    """Same-size corruption is caught by sha256, RNG states round-trip through JSON, and a code
+    payload in objects.pt (even with the manifest rewritten to match it) is refused, not run."""
+    from minirl.data import Rollout, RolloutBatch
+    ckpt = Checkpointer(tmp_path / "ck")
+    model, opt = _small_state(0)
+    batch = RolloutBatch([Rollout(prompt_ids=[1], completion_ids=[2], sampling_logprobs=[-0.5], reward=1.0)],
+                         uid=("p", 7))
+    torch.manual_seed(123)
+    path = ckpt.save(1, model, opt, objects={"queue": {"buffered": [batch]}})
+    draws = torch.rand(3)
+    other, other_opt = _small_state(1)
+    out = ckpt.load(other, other_opt)
+    assert torch.equal(torch.rand(3), draws)                    # torch RNG restored from JSON
+    assert torch.equal(other.weight, model.weight) and out["objects"]["queue"]["buffered"][0] == batch
+
+    shard = next((path / "dcp").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF                               # one byte changed in place, same size
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        ckpt.load(other, other_opt, path=path)
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+    marker = tmp_path / "ran"
+    torch.save({"queue": _Payload(marker)}, path / "objects.pt")
+    manifest = json.loads((path / "MANIFEST.json").read_text())
+    from minirl.checkpoint import _manifest
+    (path / "MANIFEST.json").write_text(json.dumps(_manifest(path)))   # as an attacker would
+    assert manifest["files"]["objects.pt"] != _manifest(path)["files"]["objects.pt"]
+    with pytest.raises(CheckpointError, match="allow-list"):
+        read_state(path)
+    assert not marker.exists()
+
+    with pytest.raises(CheckpointError, match="cannot checkpoint these objects"):
+        ckpt.save(2, model, opt, objects={"x": _Payload(marker)})
+    assert not marker.exists() and not list((tmp_path / "ck").glob("*step_00000002"))   # nothing written
+    (path / "MANIFEST.json").write_text(json.dumps({"objects.pt": 10}))     # an old size-only manifest
+    with pytest.raises(CheckpointError, match="no content checksums"):
+        verify(path)
+
+
 # ---- async: kill at an arbitrary moment, resume, every prompt exactly once -----------------------
 
 N_PROMPTS, STALENESS = 40, 1
