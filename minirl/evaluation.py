@@ -25,7 +25,8 @@ def eval_metrics(greedy: list[tuple[float, int, str]], sampled: list[list[tuple[
     """Metrics from (reward, completion tokens, finish reason) per completion: `greedy` one per prompt,
     `sampled` a list of n per prompt. A completion is correct when its reward >= `correct`."""
     if len(greedy) != len(sampled) or not greedy:
-        raise ValueError(f"eval_metrics: {len(greedy)} greedy and {len(sampled)} sampled prompts (need equal, > 0)")
+        raise ValueError(f"eval_metrics: {len(greedy)} greedy and {len(sampled)} sampled prompts "
+                         f"(need equal, > 0)")
     everything = greedy + [s for group in sampled for s in group]
     hits = [sum(r >= correct for r, _, _ in group) for group in sampled]
     return {"eval/pass@1": sum(r >= correct for r, _, _ in greedy) / len(greedy),
@@ -49,7 +50,7 @@ def evaluate(llm, prompts: list, answers: list, reward_fn, *, max_tokens: int, s
     for params in (SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens),
                    SamplingParams(n=samples, temperature=temperature, max_tokens=max_tokens, seed=seed)):
         outs = llm.generate(prompts, params, use_tqdm=False)
-        runs.append([[(float(reward_fn(p, o.text, a)), len(o.token_ids), o.finish_reason) for o in out.outputs]
-                     for p, a, out in zip(prompts, answers, outs)])
+        runs.append([[(float(reward_fn(p, o.text, a)), len(o.token_ids), o.finish_reason)
+                      for o in out.outputs] for p, a, out in zip(prompts, answers, outs)])
     return {**eval_metrics([g[0] for g in runs[0]], runs[1], k=k, correct=correct),
             "eval/time": time.perf_counter() - t0}

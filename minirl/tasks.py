@@ -58,7 +58,8 @@ TASKS = {t.name: t for t in (Task("copy", _copy), Task("succ", partial(_add, b=1
 
 
 def math_boxed_reward(prompt: str, completion: str, answer) -> float:
-    """reward_fn for MATH-style data: the completion's last `\\boxed{}` equals the answer (no number fallback)."""
+    """reward_fn for MATH-style data: the completion's last `\\boxed{}` equals the answer (no last-number
+    fallback)."""
     return rewards.math_reward(completion, answer, fallback_last_number=False)
 
 
@@ -82,7 +83,8 @@ DATA_TASKS = {
                       '"####".', rewards.gsm8k_reward),
     "math": DataSpec("problem", "solution", "Please reason step by step, and put your final answer within "
                      "\\boxed{}.", math_boxed_reward),
-    "code": DataSpec("prompt", "tests", "Write the Python solution in one ```python code block.", tests_reward),
+    "code": DataSpec("prompt", "tests", "Write the Python solution in one ```python code block.",
+                     tests_reward),
 }
 
 
@@ -134,7 +136,8 @@ def _check_reference(name: str, path, i: int, ref) -> None:
           if name == "code" else isinstance(ref, (str, int, float)) and not isinstance(ref, bool))
     if not ok:
         want = "a str or a non-empty list of str (tests)" if name == "code" else "a str or a number"
-        raise TypeError(f"{path} row {i}: the answer field must be {want}, got {type(ref).__name__}: {ref!r:.80}")
+        raise TypeError(f"{path} row {i}: the answer field must be {want}, "
+                        f"got {type(ref).__name__}: {ref!r:.80}")
 
 
 def load_task(name: str, *, data=None, tokenizer=None, prompt_key: str | None = None,

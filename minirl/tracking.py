@@ -143,7 +143,8 @@ def plot_metrics(jsonl_path, out_png, *, keys=None) -> Path:
     from matplotlib.figure import Figure
     records = read_metrics(jsonl_path)
     names = sorted({k for r in records for k in r if k not in RESERVED})
-    panels = [(t.strip("/@"), [k for k in names if k.startswith(t)]) for t in ("reward/", "eval/pass@", "time/")]
+    prefixes = ("reward/", "eval/pass@", "time/")
+    panels = [(t.strip("/@"), [k for k in names if k.startswith(t)]) for t in prefixes]
     panels = [p for p in panels if p[1]] + [(k, [k]) for k in (keys or [])]
     if not panels:
         raise ValueError(f"nothing to plot in {jsonl_path}; keys present: {names}")
