@@ -121,6 +121,25 @@ def test_resume_with_another_model_is_refused(wm, tmp_path):
         ckpt.load(wm.model, wm.optimizer, compat={**state["compat"], "model": model_identity(str(other))})
 
 
+def test_nan_weights_fail_the_sync_and_a_checkpoint_restores(wm, tmp_path):
+    """Weights gone NaN never pass the sync's probe (a NaN gap is a failure, not a pass); loading
+    the last checkpoint brings back weights the engine verifies again."""
+    from minirl.weights import SyncError
+    ckpt = Checkpointer(tmp_path / "ck")
+    wm.as_vllm()
+    path = wm.save_checkpoint(ckpt, 1)
+    model, _ = wm.as_trainable()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    wm.mark_dirty()
+    with pytest.raises(SyncError, match="differ by inf"):
+        wm.as_vllm()
+    wm.load_checkpoint(ckpt, path)
+    wm.as_vllm()
+    assert wm.last_probe_gap < 2e-3
+
+
 class _Payload:
     """Pickles as a call to open(marker, "w"): loading it with weights_only=False would create marker."""
 
