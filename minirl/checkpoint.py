@@ -181,6 +181,8 @@ class Checkpointer:
         hf_from: its tokenizer's source (a path), or a callable writing the HF directory it is given."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0 (it names the checkpoint directory), got {step!r}")
         final, tmp = self.root / f"step_{step:08d}", self.root / f".tmp_step_{step:08d}"
         blob = _objects_blob(objects) if objects else None    # before anything is written
         if _rank() == 0:

@@ -130,6 +130,8 @@ SYNC = [
     ("sync-stuck", lambda: check_sync(0.0, True, tolerance=None, engine_dtype=torch.float32, where="vLLM",
                                       version=3), SyncError, "changed nothing"),
     ("checkpointer-keep-0", lambda: Checkpointer("/tmp/none", keep=0), ValueError, "keep must be >= 1"),
+    ("checkpoint-step-float", lambda: Checkpointer("/tmp/none").save(1.5, None, None), ValueError,
+     "step must be an int >= 0"),
 ]
 
 

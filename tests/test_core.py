@@ -83,6 +83,7 @@ def test_advantages_errors():
 
 
 @PROPS
+@pytest.mark.filterwarnings("ignore:group_size=1")     # g=1 is legal; test_bad_inputs checks the warning
 @given(st.integers(1, 4), st.integers(1, 8), st.data())
 def test_advantages_groups_sum_to_zero(n, g, data):
     rewards = data.draw(st.lists(st.floats(-1e3, 1e3, width=32), min_size=n * g, max_size=n * g))
@@ -92,6 +93,7 @@ def test_advantages_groups_sum_to_zero(n, g, data):
 
 
 @PROPS
+@pytest.mark.filterwarnings("ignore:group_size=1")     # g=1 is legal; test_bad_inputs checks the warning
 @given(st.integers(1, 4), st.integers(1, 8), st.data())
 def test_advantages_normalized_sum_to_zero_and_bounded(n, g, data):
     # Rewards on a 0.25 grid (exact in fp32), like verifiable / partial-credit rewards.
