@@ -212,11 +212,12 @@ class EpisodeRunner:
     (minirl's ManagedLLM or plain); `sampling`: SamplingParams kwargs for every turn (logprobs 0
     forced, detokenize off: turns are decoded once by the tokenizer)."""
 
-    def __init__(self, llm, *, sampling: dict | None = None, config: EpisodeConfig = EpisodeConfig()):
+    def __init__(self, llm, *, sampling: dict | None = None, config: EpisodeConfig = EpisodeConfig(),
+                 tokenizer=None):
         from minirl import vllm_compat as vc
         self.vc, self.llm, self.config = vc, llm, config
         self.sampling = {"temperature": 1.0, **(sampling or {}), "logprobs": 0, "detokenize": False, "n": 1}
-        self.tokenizer = llm.get_tokenizer()
+        self.tokenizer = tokenizer or llm.get_tokenizer()   # its chat template renders messages
         self.max_model_len = vc.max_model_len(llm)
         self.policy_version = 0        # set by the owner when it loads weights (between steps)
         self.stats = {"steps": 0, "requests": 0, "episodes": 0, "errors": 0, "limits": 0}
@@ -296,7 +297,10 @@ class EpisodeRunner:
                     await asyncio.wait([waiter, *(t for t in tasks if not t.done())],
                                        return_when=asyncio.FIRST_COMPLETED)
                     waiter.cancel()
-            return [t.result() for t in tasks]         # re-raises an episode error under on_error="raise"
+            for t in tasks:                            # on_error="raise": the first episode error
+                if t.done() and t.exception() is not None:
+                    raise t.exception()
+            return [t.result() for t in tasks]
         finally:
             for t in tasks:
                 t.cancel()
@@ -307,15 +311,17 @@ class EpisodeRunner:
     async def _one(self, episode: EpisodeFn, ep: Episode, limit: asyncio.Semaphore, device: str) -> Rollout:
         async with limit:
             t0 = time.perf_counter()
+            deadline = asyncio.timeout(self.config.episode_timeout_s)
             try:
-                reward, reason = await asyncio.wait_for(episode(ep), self.config.episode_timeout_s), "stop"
+                async with deadline:
+                    reward, reason = await episode(ep), "stop"
             except EpisodeEnd as end:
                 reward, reason = self.config.limit_reward, end.reason
                 self.stats["limits"] += 1
             except Exception as e:
                 self.stats["errors"] += 1
-                what = (f"ran past episode_timeout_s={self.config.episode_timeout_s}"
-                        if isinstance(e, asyncio.TimeoutError) else f"raised {type(e).__name__}: {e}")
+                what = (f"ran past episode_timeout_s={self.config.episode_timeout_s}" if deadline.expired()
+                        else f"raised {type(e).__name__}: {e}")
                 if self.config.on_error == "raise":
                     raise RuntimeError(f"{ep.name} {what} (after {len(ep.turns)} turns)") from e
                 ep.info["error"] = what
@@ -332,10 +338,10 @@ class EpisodeRunner:
 
 
 def run_episodes(llm, episode: EpisodeFn, prompts: Sequence, *, group_size: int = 1, sampling: dict | None = None,
-                 config: EpisodeConfig = EpisodeConfig(), **kwargs) -> list[RolloutBatch]:
+                 config: EpisodeConfig = EpisodeConfig(), tokenizer=None, **kwargs) -> list[RolloutBatch]:
     """Co-located helper: episodes on `llm` (e.g. WeightManager.as_vllm()), Rollouts stamped with the
     policy version and device WeightManager recorded on it. kwargs: EpisodeRunner.run's."""
-    runner = EpisodeRunner(llm, sampling=sampling, config=config)
+    runner = EpisodeRunner(llm, sampling=sampling, config=config, tokenizer=tokenizer)
     stamp = getattr(llm, "minirl_stamp", None) or {}
     runner.policy_version = stamp.get("policy_version", 0)
     return runner.run(episode, prompts, group_size=group_size, device=kwargs.pop("device", stamp.get("device", "cpu")),

@@ -1,0 +1,206 @@
+"""Episodes (minirl.episodes, minirl.envs): token in / token out over several turns, masks and
+log-probs aligned to what the engine sampled, chat templates rendered incrementally (a Qwen3-style
+template that drops earlier <think> blocks), tool timeouts, environment errors, context and turn
+limits, tool waits overlapped with generation. Needs: CPU only; the shared tiny engine (`wm`).
+"""
+
+import asyncio
+import time
+
+import pytest
+
+from minirl import vllm_compat as vc
+from minirl.data import collate
+from minirl.episodes import EpisodeConfig, EpisodeRunner, chat_delta, run_episodes, single_turn
+from minirl.tiny import build_tokenizer
+
+# Qwen3's rule in small: an assistant turn before the last message loses its <think>...</think> part.
+TEMPLATE = ("{% for m in messages %}{% if m.role == 'assistant' %}{% set c = m.content %}"
+            "{% if not loop.last and '</think>' in c %}{% set c = c.split('</think>')[-1] %}{% endif %}"
+            "a:{{ c }}<eos>{% else %}{{ m.role[0] }}:{{ m.content }}<eos>{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}a:{% endif %}")
+
+
+def chat_tokenizer():
+    tok = build_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})   # ids 64, 65
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def recording(monkeypatch):
+    """Every request the engine gets (its prompt ids) and every finished output (its ids), by id."""
+    seen = {"prompts": {}, "outputs": {}}
+    add, step = vc.add_request, vc.engine_step
+
+    def add_request(llm, rid, ids, params):
+        seen["prompts"][rid] = list(ids)
+        return add(llm, rid, ids, params)
+
+    def engine_step(llm):
+        outs = step(llm)
+        seen["outputs"].update((o.request_id, list(o.outputs[0].token_ids)) for o in outs if o.finished)
+        return outs
+    monkeypatch.setattr(vc, "add_request", add_request)
+    monkeypatch.setattr(vc, "engine_step", engine_step)
+    return seen
+
+
+def test_incremental_template_keeps_sampled_think_tokens():
+    """Hand-checked: the trajectory holds the turn exactly as sampled (<think> kept); re-rendering the
+    whole chat, as the template would, drops it: those would be tokens the policy never sampled."""
+    tok = chat_tokenizer()
+    prompt = tok.apply_chat_template([{"role": "user", "content": "1+7="}], add_generation_prompt=True,
+                                     return_dict=False)
+    assert tok.decode(prompt) == "u:1+7=<eos>a:"
+    sampled = tok.encode("<think>r</think>8<eos>", add_special_tokens=False)       # as if from the engine
+    delta = chat_delta(tok, [{"role": "user", "content": "no"}])
+    assert tok.decode(delta) == "u:no<eos>a:"                  # only the new message, after our <eos>
+    trajectory = prompt + sampled + delta
+    assert tok.decode(trajectory) == "u:1+7=<eos>a:<think>r</think>8<eos>u:no<eos>a:"
+    rerendered = tok.apply_chat_template([{"role": "user", "content": "1+7="},
+                                          {"role": "assistant", "content": "<think>r</think>8"},
+                                          {"role": "user", "content": "no"}], add_generation_prompt=True,
+                                         return_dict=False)
+    assert tok.decode(rerendered) == "u:1+7=<eos>a:8<eos>u:no<eos>a:"   # 64, 37, 65 gone
+    assert rerendered != trajectory
+    tok.chat_template = "{% for m in messages %}{{ m.content }}{{ messages|length }}{% endfor %}"
+    with pytest.raises(ValueError, match="renders earlier messages differently"):
+        chat_delta(tok, [{"role": "user", "content": "x"}])
+
+
+def test_tokens_exact_over_turns_with_chat_template(wm, monkeypatch):
+    """Three turns from chat messages: the engine's (prompt, output) pairs are exactly the episodes'
+    (context before the turn, the turn's ids): earlier turns' sampled ids are passed on, never
+    re-tokenized; the trajectory is prompt, then turns and rendered messages, and nothing else."""
+    tok, seen, pairs, eps = chat_tokenizer(), recording(monkeypatch), [], []
+
+    async def episode(ep):
+        eps.append(ep)
+        expected = list(ep.token_ids)
+        for k in range(3):
+            before = list(ep.token_ids)
+            turn = await ep.generate(max_tokens=4)
+            pairs.append((before, turn.token_ids))
+            delta = ep.add_messages([{"role": "user", "content": f"n{k}"}])
+            if turn.token_ids[-1] != tok.eos_token_id:       # cut by max_tokens: <eos> closes the turn
+                assert delta[0] == tok.eos_token_id
+            assert tok.decode(delta).endswith(f"u:n{k}<eos>a:")
+            expected += turn.token_ids + delta
+        assert ep.token_ids == expected
+        return 0.0
+
+    msgs = [[{"role": "user", "content": f"{d}+1="}] for d in range(3)]
+    batches = run_episodes(wm.as_vllm(), episode, msgs, group_size=2, seed=1, tokenizer=tok)
+    engine = sorted((p, seen["outputs"][rid]) for rid, p in seen["prompts"].items())
+    assert len(engine) == 18 and engine == sorted(pairs)
+    for ep in eps:
+        assert tok.decode(ep.token_ids[:ep.loss_mask.index(1)]) == f"u:{ep.prompt[0]['content']}<eos>a:"
+    r = batches[0][0]
+    assert r.info["turns"] == 3 and len(r.info["turn_versions"]) == 3
+    assert r.prompt_ids + r.completion_ids == eps[0].token_ids[:r.num_tokens]    # trailing template cut
+    assert sum(r.loss_mask) == sum(len(t.token_ids) for t in eps[0].turns)
+
+
+def test_masks_and_logprobs_align_with_the_engine(wm):
+    """Hand-laid example: P prompt ids, 2 sampled, 2 environment ids (5, 6), 2 sampled ->
+    completion = s1 s2 5 6 s3 s4, loss_mask 1 1 0 0 1 1, log-probs lp1 lp2 0 0 lp3 lp4; the sampled
+    ones equal the engine's own log-probs of the whole sequence at those positions (temperature 1)."""
+    async def episode(ep):
+        await ep.generate(max_tokens=2, ignore_eos=True)
+        ep.append([5, 6])
+        await ep.generate(max_tokens=2, ignore_eos=True)
+        return 1.0
+
+    llm = wm.as_vllm()
+    r = run_episodes(llm, episode, ["3+4="], seed=5)[0][0]
+    P = len(r.prompt_ids)
+    assert r.prompt_ids == llm.get_tokenizer().encode("3+4=") and P == 4
+    assert r.completion_ids[2:4] == [5, 6] and len(r.completion_ids) == 6
+    assert r.loss_mask == [1, 1, 0, 0, 1, 1]
+    assert r.sampling_logprobs[2:4] == [0.0, 0.0] and r.finish_reason == "stop" and r.info["turns"] == 2
+    engine = vc.prompt_logprobs(llm, r.prompt_ids + r.completion_ids)        # entry t-1 scores token t
+    for j in (0, 1, 4, 5):
+        assert r.sampling_logprobs[j] == pytest.approx(engine[P - 1 + j], abs=1e-4)
+    batch = collate([r])                                                      # (1, P+C-1): entry P-1+j
+    assert batch.loss_mask[0, P - 1:].tolist() == [1, 1, 0, 0, 1, 1]
+    assert batch.old_logprobs[0, P - 1 + 4].item() == pytest.approx(r.sampling_logprobs[4])
+
+
+def test_single_turn_is_the_one_turn_episode(wm):
+    """What the loops ran before: group_size completions per prompt, scored by reward_fn with metadata."""
+    calls = []
+    reward = lambda p, c, m: calls.append((p, c, m)) or float(c.startswith(m))
+    batches = run_episodes(wm.as_vllm(), single_turn(reward), ["1+1=", "2+1="], group_size=3,
+                           metadata=["2", "3"], uids=["a", "b"], sampling={"max_tokens": 2}, seed=0)
+    assert [b.uid for b in batches] == ["a", "b"] and [len(b) for b in batches] == [3, 3]
+    assert len(calls) == 6 and {m for _, _, m in calls} == {"2", "3"}
+    for b in batches:
+        for r in b:
+            assert r.loss_mask == [1] * len(r.completion_ids) and 1 <= len(r.completion_ids) <= 2
+            assert r.info["turns"] == 1 and r.policy_version == wm.policy_version
+
+
+def test_tool_timeout_error_and_waits_overlap(wm):
+    """Episode 0's tool hangs past its 5 s timeout, episode 1's tool raises, the others wait 0.3 s
+    in a tool between turns: on_error="record" keeps every episode (errors named); the others run
+    all their turns while episode 0 waits, and their tool waits overlap."""
+    async def slow(): await asyncio.sleep(30)
+    def broken(): raise ValueError("the tool is broken")
+    done, waiting, most = {}, set(), [0]
+
+    async def wait(ep):
+        waiting.add(ep.index)
+        most[0] = max(most[0], len(waiting))
+        await ep.call(asyncio.sleep, 0.3)
+        waiting.discard(ep.index)
+
+    async def episode(ep):
+        await ep.generate(max_tokens=2)
+        if ep.index == 0:
+            try:
+                await ep.call(slow, timeout_s=5.0)
+            finally:
+                done["slow_to"] = time.perf_counter()
+        if ep.index == 1:
+            await ep.call(broken)
+        for _ in range(3):
+            await wait(ep)
+            ep.append([4])
+            await ep.generate(max_tokens=2)
+        done[ep.index] = time.perf_counter()
+        return 1.0
+
+    runner = EpisodeRunner(wm.as_vllm(), config=EpisodeConfig(on_error="record", error_reward=-1.0))
+    rollouts = [r for b in runner.run(episode, ["1+1="] * 6) for r in b]
+    assert len(rollouts) == 6 and runner.stats["errors"] == 2
+    assert rollouts[0].finish_reason == "error" and rollouts[0].reward == -1.0
+    assert "ToolTimeout" in rollouts[0].info["error"] and "'slow'" in rollouts[0].info["error"]
+    assert "ValueError: the tool is broken" in rollouts[1].info["error"]
+    assert [r.finish_reason for r in rollouts[2:]] == ["stop"] * 4 and all(r.info["turns"] == 4 for r in rollouts[2:])
+    assert max(done[i] for i in range(2, 6)) < done["slow_to"] and most[0] == 4
+    with pytest.raises(RuntimeError, match=r"episode 1 of prompt uid=1 \('2\+1='\) raised ValueError"):
+        EpisodeRunner(wm.as_vllm()).run(episode, ["1+1=", "2+1="])
+
+
+def test_context_and_turn_limits_end_with_a_reason(wm):
+    """Environment tokens fill the context (max_model_len=128): the episode ends with "max_model_len",
+    its tokens within the limit and masks still exact; a turn limit ends one with "max_turns"."""
+    eps = []
+
+    async def greedy(ep):
+        eps.append(ep)
+        while True:
+            await ep.generate(max_tokens=8)
+            ep.append([4] * 50)
+
+    runner = EpisodeRunner(wm.as_vllm(), config=EpisodeConfig(max_turns=2, limit_reward=0.5))
+    r = runner.run(greedy, ["1+1="])[0][0]
+    assert r.finish_reason == "max_turns" and r.reward == 0.5 and r.info["turns"] == 2
+    runner = EpisodeRunner(wm.as_vllm())
+    r = runner.run(greedy, ["1+1="])[0][0]
+    assert r.finish_reason == "max_model_len" and runner.stats["limits"] == 1
+    turns = eps[-1].turns
+    expected = [m for k, t in enumerate(turns) for m in [1] * len(t.token_ids) + [0] * 50 * (k < len(turns) - 1)]
+    assert r.loss_mask == expected                   # the last environment block (no turn after it) is cut
+    assert r.num_tokens <= 128 and len(eps[-1].token_ids) >= 128
