@@ -1,7 +1,8 @@
 """torch.distributed set-up for every minirl process that trains (CPU or CUDA): `init_distributed()`.
 
 Device and backend follow what the process has (torch.cuda.is_available()), never Ray's GPU ids:
-NCCL (+gloo for CPU tensors) on CUDA, else gloo; each group has a timeout. Alone: a one-rank world.
+NCCL (+gloo for CPU tensors) on CUDA, else gloo; each group has a timeout. Alone: a one-rank world
+over an in-memory store (no TCP store listening on every interface; gloo binds the host's address).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def init_distributed(timeout_s: float = 600.0) -> Rank:
     """Join (or create) the default process group; returns this process's place in it. Reads
     RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (set by torchrun and minirl's Ray
     actors; without them: a one-rank world) and leaves them set for vLLM's external_launcher."""
-    if "RANK" not in os.environ and not dist.is_initialized():
+    alone = "RANK" not in os.environ and not dist.is_initialized()
+    if alone:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
     local_rank = int(os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0")))
@@ -50,6 +52,7 @@ def init_distributed(timeout_s: float = 600.0) -> Rank:
         torch.cuda.set_device(device)
     created = not dist.is_initialized()
     if created:
-        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
-                                timeout=timedelta(seconds=timeout_s), device_id=device if cuda else None)
+        store = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if alone else {}
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
+                                device_id=device if cuda else None, **store)
     return Rank(dist.get_rank(), dist.get_world_size(), local_rank, device, created)

@@ -168,3 +168,25 @@ def test_trainer_killed_alone_and_resumed_trains_every_prompt_once(ray_local, ti
     srv.shutdown(remove_queue=True)
     ray.kill(trainer)
     ray.util.remove_placement_group(pg)
+
+
+# ---- exposure: a local co-located run listens on loopback only ----------------------------------
+
+LISTENERS = """
+import os, sys, psutil
+from minirl.colocated import WeightManager
+wm = WeightManager(sys.argv[1], lr=1e-3, enforce_eager=True, max_model_len=128)
+wm.as_vllm().generate(["1+1="], use_tqdm=False)
+me = [os.getpid()] + [p.pid for p in psutil.Process().children(recursive=True)]
+print("LISTEN", sorted({c.laddr.ip for c in psutil.net_connections("inet")
+                        if c.status == psutil.CONN_LISTEN and c.pid in me}))
+wm.close()
+"""
+
+
+def test_local_colocated_run_listens_on_loopback_only(tiny_model):
+    from tests.conftest import run_py
+    out = run_py(["-c", LISTENERS, tiny_model], timeout=300, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("LISTEN")]
+    assert out.returncode == 0 and line, out.stderr[-3000:]
+    assert set(eval(line[0][len("LISTEN "):])) <= {"127.0.0.1", "::1"}, line   # no "::" / "0.0.0.0"
