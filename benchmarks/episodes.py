@@ -1,0 +1,147 @@
+"""Benchmark: multi-turn episodes with tool waits against single-turn generation of the same tokens,
+on one engine through minirl.episodes (continuous batching: a turn's next request enters as soon as
+its tool answers, while the other episodes generate).
+
+    python benchmarks/episodes.py                                  # one H200: Qwen3-0.6B shape, CUDA graphs
+    python benchmarks/episodes.py --shape tiny --episodes 16 --turn-tokens 8 16 --latency-ms 0 50   # CPU smoke
+
+Workload (seeded): E episodes at once (default 256), each of T turns (3) whose sampled lengths are
+drawn uniformly from --turn-tokens (forced: ignore_eos, max_tokens), with --env-tokens tool tokens
+appended after each turn but the last, following a tool wait drawn uniformly from --latency-ms.
+The baseline generates, on the same engine and path, E single-turn requests of each episode's total
+sampled length. Reported: sampled tokens/s of each (after a warm-up of both), and their ratio
+(target >= 0.9: tool waits hidden by concurrency); a raw `llm.generate` of the baseline as a check
+of the path's own overhead. Writes --out (JSON) and a markdown table beside it. Random-init weights
+(benchmarks/models.py), nothing downloaded. Hardware: one GPU (about 2 minutes), or CPU (smoke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+
+def plan(args, seed: int) -> list[dict]:
+    """Per episode: its turns' lengths, tool latencies (s) and tool tokens."""
+    rng = random.Random(seed)
+    lo, hi = args.turn_tokens
+    return [{"lengths": [rng.randint(lo, hi) for _ in range(args.turns)],
+             "latency": [rng.uniform(*args.latency_ms) / 1000 for _ in range(args.turns - 1)],
+             "tool": [[rng.randrange(2, 60) for _ in range(args.env_tokens)] for _ in range(args.turns - 1)]}
+            for _ in range(args.episodes)]
+
+
+def episodes(runner, work: list[dict], prompts: list[list[int]]) -> dict:
+    async def episode(ep):
+        w = work[ep.index]
+        for k, n in enumerate(w["lengths"]):
+            await ep.generate(max_tokens=n, ignore_eos=True)
+            if k < len(w["latency"]):
+                await ep.call(asyncio.sleep, w["latency"][k])      # the tool's latency
+                ep.append(w["tool"][k])
+        return 0.0
+    return timed(lambda: runner.run(episode, prompts))
+
+
+def single_turn(runner, work: list[dict], prompts: list[list[int]]) -> dict:
+    async def episode(ep):
+        await ep.generate(max_tokens=sum(work[ep.index]["lengths"]), ignore_eos=True)
+        return 0.0
+    return timed(lambda: runner.run(episode, prompts))
+
+
+def timed(fn) -> dict:
+    t0 = time.perf_counter()
+    batches = fn()
+    wall = time.perf_counter() - t0
+    sampled = sum(sum(r.loss_mask) for b in batches for r in b)
+    return {"wall_s": round(wall, 3), "sampled_tokens": sampled, "tokens_per_s": round(sampled / wall, 1),
+            "turns": sum(r.info["turns"] for b in batches for r in b)}
+
+
+def raw_generate(llm, work, prompts) -> dict:
+    from minirl import vllm_compat as vc
+    sps = [vc.SamplingParams(max_tokens=sum(w["lengths"]), ignore_eos=True, logprobs=0, detokenize=False)
+           for w in work]
+    t0 = time.perf_counter()
+    outs = llm.generate([vc.TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"wall_s": round(wall, 3), "sampled_tokens": n, "tokens_per_s": round(n / wall, 1)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-0.6b", help="benchmarks/models.py shape, or tiny")
+    p.add_argument("--episodes", type=int, default=256)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--turn-tokens", type=int, nargs=2, default=[128, 384], metavar=("LO", "HI"))
+    p.add_argument("--env-tokens", type=int, default=32, help="tool tokens appended after a turn")
+    p.add_argument("--latency-ms", type=float, nargs=2, default=[0.0, 500.0], metavar=("LO", "HI"))
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results/episodes.json")
+    args = p.parse_args(argv)
+    from models import build_random_model
+    from minirl import vllm_compat as vc
+    from minirl.episodes import EpisodeRunner
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_random_model(Path(tmp) / args.shape, args.shape, device=None if vc.ON_CPU else "cuda")
+        max_len = args.prompt_tokens + args.turns * (args.turn_tokens[1] + args.env_tokens) + 8
+        user = {"max_model_len": max_len, "max_num_seqs": args.episodes, **({"enforce_eager": True} if args.eager else {})}
+        t0 = time.perf_counter()
+        llm = vc.build_llm(str(path), **vc.engine_kwargs(user, sleep=False, seed=args.seed, colocated=False))
+        start_s = time.perf_counter() - t0
+        runner = EpisodeRunner(llm)
+        rng = random.Random(args.seed + 1)
+        prompts = [[rng.randrange(2, 60) for _ in range(args.prompt_tokens)] for _ in range(args.episodes)]
+        warm = plan(args, args.seed + 99)
+        episodes(runner, warm, prompts), single_turn(runner, warm, prompts)            # warm-up
+        work = plan(args, args.seed)
+        multi = episodes(runner, work, prompts)
+        single = single_turn(runner, work, prompts)
+        raw = raw_generate(llm, work, prompts)
+        vc.shutdown(llm)
+    doc = {"config": vars(args), "engine_start_s": round(start_s, 1), "episodes": multi, "single_turn": single,
+           "raw_llm_generate": raw, "ratio": round(multi["tokens_per_s"] / single["tokens_per_s"], 3),
+           "path_vs_raw": round(single["tokens_per_s"] / raw["tokens_per_s"], 3), "versions": versions()}
+    print(json.dumps(doc, indent=1))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(doc))
+
+
+def versions() -> dict:
+    import torch
+    import vllm
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"vllm": vllm.__version__, "torch": torch.__version__, "device": dev}
+
+
+def markdown(doc) -> str:
+    c = doc["config"]
+    rows = [("episodes (%d turns, tool waits %g-%g ms)" % (c["turns"], *c["latency_ms"]), doc["episodes"]),
+            ("single turn, same tokens (same path)", doc["single_turn"]),
+            ("single turn, raw llm.generate", doc["raw_llm_generate"])]
+    lines = [f"# Episodes vs single-turn generation: {c['shape']}, {c['episodes']} at once",
+             "", f"`python benchmarks/episodes.py {' '.join(sys.argv[1:])}` on {doc['versions']}", "",
+             "| run | sampled tokens | wall s | tokens/s |", "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {r['sampled_tokens']} | {r['wall_s']} | {r['tokens_per_s']} |" for name, r in rows]
+    lines += ["", f"episodes / single-turn: **{doc['ratio']}x** (target >= 0.9); path / raw: {doc['path_vs_raw']}x", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
