@@ -127,3 +127,10 @@ class GenerationActor:
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         return self.gen.prompt_logprobs(token_ids)
+
+    def evaluate(self, prompts: list, answers: list, reward_fn, eval_kwargs: dict) -> dict:
+        """minirl.evaluation.evaluate on this engine's current weights (eval/policy_version says which)."""
+        from minirl.evaluation import evaluate
+        with self._engine:
+            return {**evaluate(self.gen.llm, prompts, answers, reward_fn, **eval_kwargs),
+                    "eval/policy_version": self.gen.policy_version}

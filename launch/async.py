@@ -16,7 +16,7 @@ import common
 from actors.training import TrainWorker
 
 
-def train(args, worker: TrainWorker, log, ckpt=None, start=1):
+def train(args, worker: TrainWorker, log, ckpt=None, start=1, evaluate=None):
     """The loop: take rollouts generated elsewhere, train, push weights. One screen, user code."""
     t1 = time.perf_counter()
     for step, batches in enumerate(worker.pull_rollouts(), start):   # <= max_staleness versions old
@@ -25,6 +25,8 @@ def train(args, worker: TrainWorker, log, ckpt=None, start=1):
         worker.sync_weights()                                   # push weights to the generators
         t3 = time.perf_counter()
         log(step, common.with_timings(metrics, worker, t2 - t1, t3 - t2))
+        if evaluate is not None and common.eval_due(args, step):   # a generator's current weights
+            log(step, evaluate())
         if ckpt is not None and step % args.save_every == 0:
             worker.save_checkpoint(ckpt, step)
         t1 = time.perf_counter()
@@ -32,15 +34,16 @@ def train(args, worker: TrainWorker, log, ckpt=None, start=1):
 
 def run(args):
     """Build the TrainWorker (and the generation side, by --role), train, plot."""
-    if args.dynamic_sampling or args.eval_every:
-        raise SystemExit("--dynamic-sampling and --eval-every are co-located only (launch/colocated.py)")
+    if args.dynamic_sampling or (args.eval_every and args.role != "both"):
+        raise SystemExit("--dynamic-sampling is co-located only; --eval-every needs both roles in one job "
+                         "(the trainer evaluates on the server's generators)")
     srv = common.start_server(args)                             # --role server: the whole job
     if args.role == "server":
         return
     worker = common.train_worker(args)
     ckpt, start = common.resumed(args, worker)
     with common.tracked(args, worker.trainer, start) as log:
-        train(args, worker, log, ckpt, start)
+        train(args, worker, log, ckpt, start, common.evaluator(args, srv))
     common.finish(worker, srv)
 
 

@@ -275,6 +275,17 @@ def start_server(args):
     return srv
 
 
+def evaluator(args, srv):
+    """(async) None without --eval-every, else a call giving eval/... metrics of one generator's
+    current weights (eval/policy_version: which) on the held-out rows."""
+    if not args.eval_every:
+        return None
+    task = make_task(args)
+    prompts, answers = map(list, zip(*task.held_out))
+    return lambda: srv.evaluate(prompts, answers, task.reward, max_tokens=args.max_tokens,
+                                samples=args.eval_samples, k=args.eval_k, seed=args.seed)
+
+
 def train_worker(args):
     """(async) The training side: a Trainer fed by the rollout queue."""
     from actors.training import TrainWorker

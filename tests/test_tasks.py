@@ -5,6 +5,7 @@ launch/colocated.py with evaluation. CPU only; about 60 s on 2 cores, most of it
 
 import json
 import math
+import re
 
 import pytest
 
@@ -12,6 +13,7 @@ from conftest import run_py
 from minirl import filters
 from minirl.data import Rollout, RolloutBatch
 from minirl.evaluation import eval_metrics, pass_at_k
+from minirl.rewards import gsm8k_reward
 from minirl.tasks import get_task, load_rows, load_task, render
 from minirl.tiny import build_tokenizer
 
@@ -217,3 +219,40 @@ def test_gsm8k_run_logs_evaluation(tmp_path):
         assert r["dynsamp/rounds"] in (1, 2) and r["overlong/penalty_mean"] <= 0
         assert r["len/prompt"] > 80              # the question plus the GSM8K instruction
     assert (run / "reward_curve.png").exists()
+
+
+def test_async_run_evaluates_on_a_generator(tmp_path):
+    """launch/async.py with --eval-every: the trainer evaluates on a generator after its syncs and
+    logs which policy version it judged (the one it had just pushed)."""
+    run = tmp_path / "run"
+    p = run_py(["launch/async.py", "--run-dir", str(run), "--backends", "", "--task", "add", "--steps", "2",
+                "--prompts", "4", "--group-size", "2", "--eval-size", "4", "--eval-every", "1",
+                "--eval-samples", "2", "--eval-k", "2", "--queue", f"q-{tmp_path.name}"], timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in recs if "eval/pass@1" in r]
+    assert [r["step"] for r in evals] == [1, 2] and [r["eval/policy_version"] for r in evals] == [1, 2]
+    assert all(r["eval/prompts"] == 4 and 0 <= r["eval/pass@2"] <= 1 for r in evals)
+
+
+def test_gsm8k_recipe_rows_and_flags(tmp_path):
+    """benchmarks/gsm8k_recipe.py (run on a GPU): its synthetic rows are right by construction and
+    its flags are ones launch/colocated.py accepts."""
+    import sys
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "launch"))
+    import common
+    import gsm8k_recipe
+    rows = gsm8k_recipe.synth_rows(40, seed=1)
+    assert rows == gsm8k_recipe.synth_rows(40, seed=1) and len({r["question"] for r in rows}) == 40
+    for r in rows:
+        b, a, c = map(int, re.findall(r"\d+", r["question"]))          # b boxes of a, c given away
+        assert gsm8k_reward(r["question"], f"#### {a * b - c}", r["answer"]) == 1.0
+        assert gsm8k_reward(r["question"], f"#### {a * b - c + 1}", r["answer"]) == 0.0
+    args = gsm8k_recipe.parse(["--out", str(tmp_path / "x.json")])
+    argv = gsm8k_recipe.recipe_argv(args, "m", tmp_path / "d.jsonl", tmp_path / "run")
+    launch = common.parse_args("doc", "runs/x", argv)
+    assert (launch.max_tokens, launch.eval_every, launch.overlong_cache, launch.task) == (1024, 2, 256, "gsm8k")
+    with pytest.raises(SystemExit):
+        gsm8k_recipe.parse(["--out", "x.json", "--rows", "64"])        # no rows left to train on
