@@ -27,32 +27,32 @@ from actors.queue import DEFAULT_NAMESPACE, create_queue
 
 
 class RolloutServer:
-    """RolloutServer(model, queue_address, reward_fn=..., num_generators, group_size, sampling,
-    queue_size, prompts_per_call, resources, seed, llm_kwargs, on_failure, reward_timeout_s):
-    reward_fn follows parse_vllm_outputs' contract (each call bounded by reward_timeout_s),
-    `sampling` are SamplingParams kwargs, llm_kwargs go to each vllm.LLM, `resources` is one
-    replica's bundle (default {"CPU": 1, "GPU": 1} on a GPU cluster)."""
+    """RolloutServer(model, queue_address, reward_fn=... or episode=..., num_generators, group_size,
+    sampling, ...): reward_fn follows parse_vllm_outputs' contract (each call bounded by reward_timeout_s);
+    `episode` (an async episode of minirl.episodes, under `episode_config`) replaces the one-turn episode
+    reward_fn scores; `sampling` are SamplingParams kwargs, llm_kwargs go to each vllm.LLM, `resources` is
+    one replica's bundle (default {"CPU": 1, "GPU": 1} on a GPU cluster)."""
 
-    def __init__(self, model: str, queue_address: str = "minirl-rollouts", *, reward_fn,
+    def __init__(self, model: str, queue_address: str = "minirl-rollouts", *, reward_fn=None,
                  num_generators: int = 1, group_size: int = 8, sampling: dict | None = None,
                  queue_size: int = 64, prompts_per_call: int = 8, resources: dict | None = None,
                  namespace: str = DEFAULT_NAMESPACE, seed: int = 0, call_timeout_s: float = 600.0,
                  ready_timeout_s: float = 600.0, llm_kwargs: dict | None = None, on_failure: str = "stop",
-                 reward_timeout_s: float | None = 300.0):
-        from minirl.trainer import check_model_path, model_identity
-        from minirl.faults import check_settings
-        check_settings("RolloutServer", group_size, sampling, reward_fn, reward_timeout_s, on_failure,
+                 reward_timeout_s: float | None = 300.0, episode=None, episode_config=None):
+        from minirl import faults, trainer
+        faults.check_settings("RolloutServer", group_size, sampling, episode or reward_fn, reward_timeout_s, on_failure,
                        {"num_generators": (num_generators, 0), "queue_size": (queue_size, 1),
                         "prompts_per_call": (prompts_per_call, 1), "call_timeout_s": (call_timeout_s, 1e-9),
                         "ready_timeout_s": (ready_timeout_s, 1e-9)})
         placement.ray_init(namespace)
-        self.model, self.timeout = check_model_path(model), call_timeout_s
+        self.model, self.timeout = trainer.check_model_path(model), call_timeout_s
         self.queue = create_queue(queue_address, max_batches=queue_size, namespace=namespace,
-                                  model_id=model_identity(self.model), on_failure=on_failure)
-        self.pool = GeneratorPool(self.model, self.queue, queue_address, namespace,
-                                  {"reward_fn": reward_fn, "group_size": group_size, "sampling": sampling,
-                                   "reward_timeout_s": reward_timeout_s, **(llm_kwargs or {})}, resources=resources or placement.default_bundle(),
-                                  seed=seed, prompts_per_call=prompts_per_call, call_timeout_s=call_timeout_s,
+                                  model_id=trainer.model_identity(self.model), on_failure=on_failure)
+        gen = {"reward_fn": reward_fn, "group_size": group_size, "sampling": sampling, "episode": episode,
+               "episode_config": episode_config, "reward_timeout_s": reward_timeout_s, **(llm_kwargs or {})}
+        self.pool = GeneratorPool(self.model, self.queue, queue_address, namespace, gen,
+                                  resources=resources or placement.default_bundle(), seed=seed,
+                                  prompts_per_call=prompts_per_call, call_timeout_s=call_timeout_s,
                                   ready_timeout_s=ready_timeout_s)
         self.generators, self.stats = self.pool.generators, self.pool.stats
         self._thread, self._error = None, None

@@ -15,26 +15,23 @@ pass@k beside the reward). Hardware: CPU, or GPUs.
 import time
 from functools import partial
 
-from vllm import SamplingParams
-
 import common
-from minirl import WeightManager, parse_vllm_outputs
+from minirl import WeightManager
+from minirl.envs import workload
+from minirl.episodes import run_episodes
 
 
 def train(args, wm: WeightManager, log, ckpt=None, start=1):
     """The loop: generate with the latest weights, score, train. One screen, user code."""
     task = common.make_task(args)                               # prompts, references, reward_fn
+    episode, sample = workload(task, args.env)                  # one turn scored by task.reward, or --env's
 
     def rollouts(step, round):                                  # one round of prompts, scored
         seed = (args.seed * 1000 + step) * 64 + wm.rank.rank + round * 2**40   # prompts and samples
-        prompts, answers = task.sample(args.prompts, seed=seed)  # depend on the step only: exact resume
-        sampling = [SamplingParams(n=args.group_size, temperature=1.0, max_tokens=args.max_tokens,
-                                   logprobs=0, detokenize=False, seed=seed * 1000 + i)
-                    for i in range(len(prompts))]
+        prompts, answers = sample(args.prompts, seed=seed)      # depend on the step only: exact resume
         llm = wm.as_vllm()                                      # syncs weights if they changed
-        outputs = llm.generate(prompts, sampling, use_tqdm=False)
-        return parse_vllm_outputs(outputs, args.group_size, task.reward, metadata=answers,
-                                  tokenizer=llm.get_tokenizer())
+        return run_episodes(llm, episode, prompts, group_size=args.group_size, metadata=answers,
+                            sampling={"max_tokens": args.max_tokens}, seed=seed * 1000)
 
     for step in range(start - 1, args.steps + 1):
         if step >= start:

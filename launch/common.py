@@ -29,6 +29,8 @@ def parse_args(doc: str, run_dir: str, argv=None):
     add("--model", default=None, help="HF name or path (default: build the tiny model)")
     add("--task", default="succ", choices=[*TASKS, *DATA_TASKS],
         help="built-in toy (copy, succ, add) or dataset task (gsm8k, math, code: needs --data)")
+    add("--env", default=None, help="built-in environment, multi-turn episodes (minirl.envs): lookup, feedback, "
+        "lookup-noise, feedback-noise (default: one turn of --task)")
     add("--data", default=None, help="JSONL, parquet or a datasets.save_to_disk directory (dataset tasks)")
     add("--prompt-key", default=None, help="field of the question (default: the task's, e.g. question)")
     add("--answer-key", default=None, help="field of the reference (default: the task's, e.g. answer)")
@@ -257,9 +259,12 @@ def start_server(args):
     from actors.server import RolloutServer
     if args.role == "trainer":
         return None
+    from minirl.envs import workload
     task = make_task(args)
-    prompts, answers = task.sample(args.steps * args.prompts, seed=args.seed)
-    srv = RolloutServer(model_path(args), args.queue, reward_fn=task.reward, num_generators=args.generators,
+    episode, sample = workload(task, args.env)           # --env: its episodes; else one turn, task.reward
+    prompts, answers = sample(args.steps * args.prompts, seed=args.seed)
+    srv = RolloutServer(model_path(args), args.queue, reward_fn=task.reward, episode=episode if args.env else None,
+                        num_generators=args.generators,
                         group_size=args.group_size, sampling={"max_tokens": args.max_tokens},
                         queue_size=args.prompts * (args.max_staleness + 1), resources=args.gen_resources,
                         seed=args.seed, llm_kwargs={**llm_kwargs(args), "max_num_seqs": 256})

@@ -81,15 +81,14 @@ def get_env(name: str):
     return ENVS[name]
 
 
-def workload(task: str, env: str | None = None):
-    """(episode function, sample(n, seed)) of environment `env`, else the one-turn episode of a task."""
+def workload(task, env: str | None = None):
+    """(episode function, sample(n, seed)): environment `env`'s, else the one-turn episode scored by
+    task.reward and task.sample (a minirl.tasks.Task)."""
     from minirl.episodes import single_turn
-    from minirl.tasks import get_task
     if env:
         e = get_env(env)
         return e.episode, e.sample
-    t = get_task(task)
-    return single_turn(t.reward), t.sample
+    return single_turn(task.reward), task.sample
 
 
 if __name__ == "__main__":

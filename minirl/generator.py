@@ -25,9 +25,9 @@ class Generator:
     def __init__(self, model: str, *, reward_fn: Callable | None = None, group_size: int = 8,
                  sampling: dict | None = None, seed: int = 0, episode: Callable | None = None,
                  episode_config: EpisodeConfig | None = None, **llm_kwargs):
-        if (reward_fn is None) == (episode is None):
-            raise ValueError("Generator needs exactly one of reward_fn (one-turn episodes) and episode "
-                             "(an async episode function that returns the reward)")
+        if reward_fn is None and episode is None:
+            raise ValueError("Generator needs reward_fn (one-turn episodes) or episode (an async episode "
+                             "function that returns the reward; then reward_fn is not used)")
         self.model_id, self.group_size = model, group_size
         self.episode = episode or single_turn(reward_fn)
         cpu = {"dtype": "float32"} if vc.ON_CPU else {}   # on CPU fp32 as the trainer, not vLLM's bf16
