@@ -3,10 +3,11 @@
 Run: `pytest tests/test_hub.py` (about a second). Hardware: CPU (any).
 
 Covers leasing / putting / taking in FIFO order, requeueing a lost worker's prompts at the
-front, recycling stale batches, dropping duplicates, the error messages, and an exactly-once
-property: randomized runs with several workers, worker deaths (with late "zombie" puts from
-the dead), random staleness and prompts added while running must deliver every uid exactly
-once and end finished().
+front, recycling stale batches, dropping duplicates, the error messages, failed prompts (stop
+or skip, never retried), rollback to a restored trainer, and an exactly-once property:
+randomized runs with several workers, worker deaths (with late "zombie" puts from the dead),
+random staleness, prompts added while running and trainer crashes resumed from a random
+checkpoint must deliver every uid exactly once (to the surviving trainer) and end finished().
 """
 
 from __future__ import annotations
