@@ -108,15 +108,16 @@ class Episode:
         return f"episode {self.index} of prompt uid={self.uid!r} ({str(self.prompt)[:60]!r})"
 
     async def generate(self, **sampling) -> Turn:
-        """Sample one turn from the whole context (SamplingParams kwargs override the runner's;
-        max_tokens is cut to the room left). Raises EpisodeEnd at the turn limit or a full context."""
+        """Sample one turn from the whole context (SamplingParams kwargs override the runner's but
+        logprobs/detokenize/n; max_tokens is cut to the room left). Raises EpisodeEnd at the turn limit
+        or with no room left (the runner ends the episode there with that finish reason)."""
         r = self.runner
         if len(self.turns) >= r.config.max_turns:
             raise EpisodeEnd("max_turns")
         room = r.max_model_len - len(self.token_ids)
         if room < 1:
             raise EpisodeEnd("max_model_len")
-        kw = {**r.sampling, **sampling}
+        kw = {**r.sampling, **sampling, "logprobs": 0, "detokenize": False, "n": 1}   # what a Turn needs
         kw["max_tokens"] = min(kw.get("max_tokens") or room, room)
         if self._seed is not None and "seed" not in sampling:
             kw["seed"] = self._seed + 7919 * len(self.turns)

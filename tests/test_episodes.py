@@ -204,3 +204,20 @@ def test_context_and_turn_limits_end_with_a_reason(wm):
     expected = [m for k, t in enumerate(turns) for m in [1] * len(t.token_ids) + [0] * 50 * (k < len(turns) - 1)]
     assert r.loss_mask == expected                   # the last environment block (no turn after it) is cut
     assert r.num_tokens <= 128 and len(eps[-1].token_ids) >= 128
+
+
+@pytest.mark.slow
+def test_tool_environment_learns_and_noise_does_not(tmp_path):
+    """launch/colocated.py --env lookup: the answer's digit is only in the tool's tokens, and the reward
+    rises; with the tool's answers replaced by noise (lookup-noise) it stays near guessing a digit."""
+    import json
+    from conftest import run_py
+    means = {}
+    for env in ("lookup", "lookup-noise"):
+        res = run_py(["launch/colocated.py", "--env", env, "--steps", "30", "--backends", "",
+                      "--run-dir", str(tmp_path / env)])
+        assert res.returncode == 0, res.stderr[-3000:]
+        rows = [json.loads(line) for line in open(tmp_path / env / "metrics.jsonl")]
+        means[env] = [sum(r["reward/mean"] for r in rows[i:i + 5]) / 5 for i in (0, len(rows) - 5)]
+    assert means["lookup"][1] > 0.25 and means["lookup"][1] > means["lookup"][0] + 0.2, means
+    assert means["lookup-noise"][1] < 0.2 and means["lookup"][1] > 1.5 * means["lookup-noise"][1], means
