@@ -98,6 +98,9 @@ def main(argv=None):
 
     with tempfile.TemporaryDirectory() as tmp:
         path = build_random_model(Path(tmp) / args.shape, args.shape, device=None if vc.ON_CPU else "cuda")
+        if not vc.ON_CPU:
+            import torch
+            torch.cuda.empty_cache()                  # the engine plans its memory from what is free
         max_len = args.prompt_tokens + args.turns * (args.turn_tokens[1] + args.env_tokens) + 8
         user = {"max_model_len": max_len, "max_num_seqs": args.episodes, **({"enforce_eager": True} if args.eager else {})}
         t0 = time.perf_counter()
