@@ -1,6 +1,7 @@
 """Tasks (toys, datasets from JSONL / parquet / saved directories, chat templates), the DAPO switches
-(minirl.filters), evaluation metrics (minirl.evaluation), and one short GSM8K-format run of
-launch/colocated.py with evaluation. CPU only; about 60 s on 2 cores, most of it the launch run.
+(minirl.filters), evaluation metrics (minirl.evaluation), a short GSM8K-format run of
+launch/colocated.py and a short launch/async.py run, both with evaluation (marked slow). CPU only;
+about 2 minutes on 2 idle cores, nearly all of it the two launch runs.
 """
 
 import json
@@ -195,6 +196,7 @@ def test_eval_metrics_hand_worked():
 
 # ------------------------------------------------------------------------------------ end to end
 
+@pytest.mark.slow
 def test_gsm8k_run_logs_evaluation(tmp_path):
     """launch/colocated.py on a GSM8K-format JSONL: evaluation before step 1 and after each step
     (eval/... next to the training records), dynamic sampling and the over-long penalty on."""
@@ -221,6 +223,7 @@ def test_gsm8k_run_logs_evaluation(tmp_path):
     assert (run / "reward_curve.png").exists()
 
 
+@pytest.mark.slow
 def test_async_run_evaluates_on_a_generator(tmp_path):
     """launch/async.py with --eval-every: the trainer evaluates on a generator after its syncs and
     logs which policy version it judged (the one it had just pushed)."""
