@@ -228,8 +228,9 @@ class Checkpointer:
         reshard(model)
         trained = StateDictOptions(ignore_frozen_params=True)
         sd = dict(zip(("model", "optim"), get_state_dict(model, optimizer, options=trained)))
-        dcp.load(sd, checkpoint_id=str(Path(path) / "dcp"))
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=trained)
+        dcp.load(sd, checkpoint_id=str(Path(path) / "dcp"))     # every trained tensor, or an error
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                       options=StateDictOptions(ignore_frozen_params=True, strict=False))   # frozen: as loaded
         rng = Path(path) / f"rng_rank{_rank()}.json"
         if rng.exists():          # absent when resuming on more ranks than were saved
             _set_rng_state(json.loads(rng.read_text()))

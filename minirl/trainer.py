@@ -309,6 +309,7 @@ class Trainer:
         which still runs the forward: FSDP2 collectives match across ranks)."""
         if self.reference is not None:
             logits = self.reference(ids, use_cache=False, logits_to_keep=keep, **extra).logits[0]
+            reshard(self.reference)                        # a no-grad forward leaves the root unsharded
         else:                                              # LoRA: the base model is the reference
             with adapters_off(self.model):
                 was = self.model.training
