@@ -139,8 +139,8 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor | None = None, mode: s
     (GRPO). "seq-mean-token-sum-norm": each sequence's sum / max_tokens (default T), then over
     sequences (Dr.GRPO: no length bias from the divisor)."""
     if mask is not None and mask.shape != per_token.shape:
-        raise ValueError(f"mask {tuple(mask.shape)} does not match the per-token loss {tuple(per_token.shape)}: "
-                         "pass one mask entry per scored token (the shape of old_logprobs)")
+        raise ValueError(f"mask {tuple(mask.shape)} does not match the per-token loss "
+                         f"{tuple(per_token.shape)}: pass one mask entry per scored token, as old_logprobs")
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1 (the longest completion allowed), got {max_tokens}")
     mask = torch.ones_like(per_token) if mask is None else mask.to(per_token)
@@ -181,9 +181,9 @@ def _as_adv(adv, like: torch.Tensor) -> torch.Tensor:
                         f"({e})") from e
     per_seq = a.dim() == 1 and like.dim() == 2                    # one advantage per sequence
     if a.dim() and not (per_seq and a.shape[0] == like.shape[0]) and a.shape != like.shape:
+        per = f"({like.shape[0]},)" if like.dim() == 2 else "(B,) for (B, C)"
         raise ValueError(f"advantages {tuple(a.shape)} do not fit {tuple(like.shape)} old log-probs: pass a "
-                         f"scalar, one per sequence ({like.shape[0] if like.dim() == 2 else 'B'},) or one per "
-                         f"token {tuple(like.shape)}")
+                         f"scalar, one per sequence {per} or one per token {tuple(like.shape)}")
     return a[:, None] if per_seq else a
 
 

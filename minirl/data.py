@@ -53,8 +53,8 @@ class Rollout:
         if not self.prompt_ids:
             raise ValueError(f"empty prompt (uid={self.uid!r}): a causal LM needs >= 1 prompt token")
         if not all(map(math.isfinite, [self.reward, self.advantage, *self.sampling_logprobs])):
-            raise ValueError(f"reward {self.reward}, advantage {self.advantage} or a sampling log-prob is NaN "
-                             f"or inf (uid={self.uid!r}): a non-finite value would make the loss, then "
+            raise ValueError(f"reward {self.reward}, advantage {self.advantage} or a sampling log-prob is "
+                             f"NaN or inf (uid={self.uid!r}): a non-finite value would make the loss, then "
                              "every weight, NaN; map failed rewards to a number and keep vLLM's log-probs")
 
     @property
@@ -141,8 +141,9 @@ def _group_by_prompt(outputs: list, group_size: int) -> list[list]:
     (in any order) in runs of group_size; a group never mixes prompts and never falls short."""
     counts = {len(o.outputs) for o in outputs}
     if counts - {group_size} and counts - {1}:
-        raise ValueError(f"outputs with {sorted(counts)} completions each do not form groups of {group_size}: "
-                         f"use SamplingParams(n={group_size}), or n=1 with each prompt {group_size} times")
+        raise ValueError(f"outputs with {sorted(counts)} completions each do not form groups of "
+                         f"{group_size}: use SamplingParams(n={group_size}), or n=1 with each prompt "
+                         f"{group_size} times")
     if counts <= {group_size}:
         return [[(o, c) for c in o.outputs] for o in outputs]
     by_prompt: dict = {}
@@ -172,7 +173,8 @@ def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, 
         raise TypeError(f"reward_fn must be callable as reward_fn(prompt, completion[, metadata]), "
                         f"got {type(reward_fn).__name__}")
     if isinstance(outputs, (str, bytes, dict)):
-        raise TypeError(f"parse_vllm_outputs takes the list llm.generate(...) returns, got a {type(outputs).__name__}")
+        raise TypeError(f"parse_vllm_outputs takes the list llm.generate(...) returns, got a "
+                        f"{type(outputs).__name__}")
     outputs = list(outputs)
     for o in outputs:
         if not all(hasattr(o, a) for a in ("outputs", "prompt", "prompt_token_ids")):
@@ -348,7 +350,8 @@ def save_rollouts(path: str | os.PathLike, batches: Iterable[RolloutBatch]) -> P
                 raise TypeError(f"save_rollouts takes RolloutBatches, got {type(batch).__name__} at {bi}")
             for r in batch:
                 d = {k: v for k, v in asdict(r).items() if k != "device"}
-                f.write(json.dumps({"batch": bi, "batch_uid": batch.uid, "batch_size": len(batch), **d}) + "\n")
+                line = {"batch": bi, "batch_uid": batch.uid, "batch_size": len(batch), **d}
+                f.write(json.dumps(line) + "\n")
     os.replace(tmp, path)
     return path
 
@@ -369,8 +372,8 @@ def load_rollouts(path: str | os.PathLike, *, device=None) -> list[RolloutBatch]
             batches.setdefault(bi, RolloutBatch([], uid=uid)).rollouts.append(r)
     for bi, b in batches.items():
         if len(b) != (sizes[bi] or len(b)):
-            raise ValueError(f"{path}: batch {bi} (uid={b.uid!r}) has {len(b)} of its {sizes[bi]} rollouts: the "
-                             "file was cut short or edited; re-save it or drop that batch")
+            raise ValueError(f"{path}: batch {bi} (uid={b.uid!r}) has {len(b)} of its {sizes[bi]} rollouts: "
+                             "the file was cut short or edited; re-save it or drop that batch")
     return [batches[k] for k in sorted(batches)]
 
 

@@ -166,7 +166,7 @@ def check_tolerance(tolerance) -> None:
     if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
                                   or not math.isfinite(tolerance) or tolerance < 0):
         raise ValueError(f"probe_tolerance must be a finite number >= 0 (the largest mean |engine - trainer| "
-                         f"probe log-prob gap a sync may show), or None for 2e-3 (fp32) / 0.05; got {tolerance!r}")
+                         f"probe log-prob gap a sync may show) or None; got {tolerance!r}")
 
 
 def check_sync(gap: float, stuck: bool, *, tolerance: float | None, engine_dtype: torch.dtype,

@@ -18,8 +18,8 @@ from minirl.colocated import WeightManagerConfig
 from minirl.checkpoint import Checkpointer, CheckpointError, verify
 from minirl.core import (aggregate, clipped_policy_loss, compute_advantages, get_logprobs, ppo_loss_fn,
                          token_logprobs, truncated_importance_weights)
-from minirl.data import (Rollout, RolloutBatch, collate, load_rollouts, pack, parse_vllm_outputs, save_rollouts,
-                         split_by_tokens)
+from minirl.data import (Rollout, RolloutBatch, collate, load_rollouts, pack, parse_vllm_outputs,
+                         save_rollouts, split_by_tokens)
 from minirl.weights import SyncError, check_sync, check_tolerance, probe_gap
 
 pytestmark = pytest.mark.timeout(30)
