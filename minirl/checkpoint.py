@@ -61,7 +61,9 @@ def _rng_state() -> dict:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     s = {"python": [version, list(internal), gauss], "numpy": [name, keys.tolist(), pos, has_gauss, cached],
          "torch": _b64(torch.get_rng_state())}
-    return s | ({"cuda": [_b64(t) for t in torch.cuda.get_rng_state_all()]} if torch.cuda.is_available() else {})
+    if torch.cuda.is_available():
+        s["cuda"] = [_b64(t) for t in torch.cuda.get_rng_state_all()]
+    return s
 
 
 def _set_rng_state(s: dict) -> None:
@@ -98,8 +100,9 @@ def _objects_blob(objects: dict) -> bytes:
     try:
         _safe_load(buf.getvalue())
     except pickle.UnpicklingError as e:
+        allowed = ", ".join(t.__name__ for t in _safe_types())
         raise CheckpointError(f"cannot checkpoint these objects ({_why(e)}): keep them to dicts, lists, str, "
-                              "numbers, tensors and " + ", ".join(t.__name__ for t in _safe_types())) from None
+                              f"numbers, tensors and {allowed}") from None
     return buf.getvalue()
 
 
@@ -134,7 +137,8 @@ def verify(path: str | os.PathLike) -> Path:
     want, have = want["files"], _files(path)
     missing = sorted(set(want) - set(have))
     wrong = sorted(f for f in want if f in have and have[f].stat().st_size != want[f]["size"])
-    changed = sorted(f for f in want if f in have and f not in wrong and _digest(have[f]) != want[f]["sha256"])
+    changed = sorted(f for f in want
+                     if f in have and f not in wrong and _digest(have[f]) != want[f]["sha256"])
     if missing or wrong or changed:
         raise CheckpointError(f"checkpoint {path} is corrupt: missing {missing[:3]}, wrong size {wrong[:3]}, "
                               f"checksum mismatch {changed[:3]}; delete it, or resume from an earlier one")
@@ -259,6 +263,6 @@ def read_state(path: str | os.PathLike) -> dict:
     try:
         loaded = _safe_load(objects.read_bytes()) if objects.exists() else {}
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{objects} holds a type outside minirl's allow-list; not loaded, as loading it "
-                              f"could run code from the file ({_why(e)})") from None
+        raise CheckpointError(f"{objects} holds a type outside minirl's allow-list; not loaded, as loading "
+                              f"it could run code from the file ({_why(e)})") from None
     return {"step": meta["step"], "state": meta["state"], "path": str(path), "objects": loaded}
