@@ -109,7 +109,6 @@ def weight_update(llm: LLM):
                 load(bucket)            # load.loaded: every parameter name vLLM accepted"""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     worker = get_worker(llm)
     model = worker.get_model()
     direct = not ON_CPU and worker.model_config.quantization is None
@@ -121,9 +120,13 @@ def weight_update(llm: LLM):
         if direct and os.environ.get("MINIRL_LAYERWISE_RELOAD") != "1":
             yield load
             return
+        try:                         # only to keep its log true (below); a vLLM without it logs as before
+            from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        except ImportError:
+            get_layerwise_info = None
         seen: set[int] = set()       # layers with no parameter of their own (rotary caches, a tied lm_head)
-        unsent = [m for m in model.modules() if not [seen.add(id(p)) for p in m.parameters(recurse=False)
-                                                     if id(p) not in seen]]
+        unsent = [m for m in model.modules() if get_layerwise_info and not [
+            seen.add(id(p)) for p in m.parameters(recurse=False) if id(p) not in seen]]
         initialize_layerwise_reload(model)
         try:
             yield load
