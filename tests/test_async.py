@@ -91,6 +91,38 @@ def test_every_prompt_once_within_staleness_and_weights_arrive(ray_local, tiny_m
     ray.get(trainer.close.remote()); ray.kill(trainer); ray.util.remove_placement_group(pg)
 
 
+def episode_loop(worker):
+    """train_loop, also recording each rollout's loss_mask, turn count and finish reason."""
+    pull, seen = worker.pull_rollouts, []
+
+    def recording():
+        for batches in pull():
+            seen.extend((r.loss_mask, r.info["turns"], r.finish_reason) for b in batches for r in b)
+            yield batches
+    worker.pull_rollouts = recording
+    return {**train_loop(worker), "episodes": seen}
+
+
+def test_episodes_on_the_async_backend_every_prompt_once(ray_local, tiny_model):
+    """The lookup environment's two-turn episodes (tool call, tool answer, answer) through the
+    generators: every prompt trained exactly once, every rollout two sampled turns around the tool's
+    two tokens (loss_mask 1 0 0 1)."""
+    from minirl.envs import LookupEnv
+    env = LookupEnv(latency_s=(0.0, 0.05))
+    prompts, keys = env.sample(12, seed=3)
+    srv = RolloutServer(tiny_model, "q-episodes", episode=env.episode, group_size=4, queue_size=16,
+                        prompts_per_call=4, llm_kwargs=LLM)
+    srv.submit(prompts, metadata=keys)
+    pg, (trainer,) = _trainer(tiny_model, "q-episodes", max_staleness=1)
+    srv.run(block=False)
+    out = ray.get(trainer.run.remote(episode_loop), timeout=600)
+    stats = srv.wait(timeout_s=120)
+    assert sorted(out["uids"]) == list(range(12)) and stats["failures"] == 0   # each trained once
+    assert len(out["episodes"]) == 48 and set(map(str, out["episodes"])) == {"([1, 0, 0, 1], 2, 'stop')"}
+    srv.shutdown(remove_queue=True)
+    ray.get(trainer.close.remote()); ray.kill(trainer); ray.util.remove_placement_group(pg)
+
+
 def test_killed_generator_restarts_with_current_weights(ray_local, tiny_model):
     import time
     name = "q-kill"
