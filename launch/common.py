@@ -50,6 +50,7 @@ def parse_args(doc: str, run_dir: str, argv=None):
     add("--activation-checkpointing", action="store_true")
     add("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full fine-tuning)")
     add("--lora-alpha", type=float, default=None, help="LoRA scale alpha / rank (default alpha: 2 x rank)")
+    add("--lora-also-train", default="", help="comma list of modules trained in full, e.g. embed_tokens")
     add("--offload", action="store_true", help="parameters, gradients and AdamW state on the host")
     add("--kl-coef", type=float, default=0.0, help="KL penalty toward the starting policy")
     add("--kl-estimator", default="k3", choices=["k1", "k2", "k3"])
@@ -116,7 +117,8 @@ def check_args(args) -> str | None:
 
 
 def trainer_config(args) -> TrainerConfig:
-    lora = args.lora_rank and LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha or 2 * args.lora_rank)
+    lora = args.lora_rank and LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha or 2 * args.lora_rank,
+                                         also_train=tuple(filter(None, args.lora_also_train.split(","))))
     return TrainerConfig(lr=args.lr, seed=args.seed, micro_batch_tokens=args.micro_batch_tokens,
                          activation_checkpointing=True if args.activation_checkpointing else None,
                          lora=lora or None, cpu_offload=args.offload,

@@ -246,7 +246,7 @@ def estimate_memory(model: str, trainer: TrainerConfig, *, world: int = 1,
                                          meta.named_modules() if isinstance(m, torch.nn.Linear)
                                          and name.rsplit(".", 1)[-1] in lora.target_modules)
     on_device = 0 if trainer.cpu_offload else 1
-    ref_on_device = trainer.reference and lora is None and not trainer.reference_offload
+    ref_on_device = trainer.reference and not (lora and not lora.also_train) and not trainer.reference_offload
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * head_dim * 2
     est = {"weights": 4 * (n if lora is None else n + trained) / world * on_device,

@@ -29,6 +29,9 @@ class LoRAConfig:
     """Names (last component) of the nn.Linear layers that get an adapter."""
     dropout: float = 0.0
     """Dropout on the adapter's input while training (off in the sync's probe and the reference)."""
+    also_train: tuple[str, ...] = ()
+    """Modules (last name component) trained in full beside the adapters, e.g. ("embed_tokens",)
+    (with tied embeddings, the lm_head too); they keep their names and are checkpointed."""
 
     @property
     def scale(self) -> float:
@@ -56,9 +59,15 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig) -> torch.nn.Module:
     if bad := sorted(set(cfg.target_modules) - linear):
         raise ValueError(f"LoRA target_modules {bad} are not linear layers of {type(model).__name__}: "
                          f"choose among {sorted(linear)}")
+    extra = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in cfg.also_train]
+    if bad := sorted(set(cfg.also_train) - {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}):
+        raise ValueError(f"LoRA also_train {bad} are not modules of {type(model).__name__}")
     peft_cfg = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                           target_modules=list(cfg.target_modules), bias="none")
-    return inject_adapter_in_model(peft_cfg, model)
+    model = inject_adapter_in_model(peft_cfg, model)
+    for m in extra:
+        m.requires_grad_(True)
+    return model
 
 
 def merge_bucket(bucket: list[tuple[str, torch.Tensor]], scale: float) -> list[tuple[str, torch.Tensor]]:

@@ -67,7 +67,8 @@ class TrainerConfig:
     reference: bool = False
     """A frozen reference policy (the starting weights): its log-probs of every packed
     micro-batch reach loss_fn as batch.ref_logprobs. With lora, the model with adapters off
-    (no extra memory); else a second FSDP2 model in the compute dtype, sharded like the trainer."""
+    (no extra memory); else (or with lora.also_train) a second FSDP2 model in the compute dtype,
+    sharded like the trainer."""
     reference_offload: bool = False
     """Keep the reference policy's shards on the host (CPUOffloadPolicy) between its forwards."""
 
@@ -240,8 +241,8 @@ class Trainer:
                                      activation_checkpointing=bool(cfg.activation_checkpointing),
                                      lora=cfg.lora, offload=cfg.cpu_offload, **load)
         self.reference = None
-        """The frozen reference policy (FSDP2, eval mode) when config.reference without lora."""
-        if cfg.reference and cfg.lora is None:
+        """The frozen reference policy (FSDP2, eval mode), unless LoRA's base model serves as one."""
+        if cfg.reference and (cfg.lora is None or cfg.lora.also_train):
             self.reference = load_fsdp_model(self.path, self.device, self.rank.world_size, self.compute_dtype,
                                              offload=cfg.reference_offload, dtype=self.compute_dtype,
                                              **load).requires_grad_(False).eval()
