@@ -113,7 +113,7 @@ def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0,
     flat = logits.reshape(-1, logits.shape[-1])
     chunk = _chunk_tokens(*flat.shape, chunk_size)
     parts = []
-    for s in range(0, flat.shape[0], chunk):
+    for s in range(0, max(flat.shape[0], 1), chunk):      # at least one (maybe empty) chunk
         logp = torch.log_softmax(flat[s:s + chunk].float() / temperature, dim=-1)   # (c, V)
         p = logp.exp()
         parts.append(-(p * logp.masked_fill(p == 0, 0.0)).sum(-1))    # 0 log 0 = 0: -inf logits, no NaN

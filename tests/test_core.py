@@ -478,6 +478,8 @@ def test_entropy():
     x = torch.randn(3, 5, 6, generator=g, requires_grad=True)
     ref = -(torch.softmax(x / 1.3, -1) * torch.log_softmax(x / 1.3, -1)).sum(-1)
     torch.testing.assert_close(entropy_from_logits(x, temperature=1.3, chunk_size=2), ref)
+    # no position at all (every token of a micro-batch masked): an empty result, not an error
+    assert entropy_from_logits(torch.zeros(0, V)).shape == (0,)
     with pytest.raises(ValueError, match="chunk_size"):
         entropy_from_logits(x, chunk_size=0)
 

@@ -115,6 +115,17 @@ def test_non_finite_gradient_is_refused(trainer):
     assert all(p.grad is None for p in trainer.model.parameters())
 
 
+def test_a_step_with_every_token_masked_trains_nothing(trainer):
+    rs = _rollouts(3)
+    for r in rs:          # e.g. every completion truncated under an over-long filter
+        r.loss_mask = [0] * len(r.completion_ids)
+    before = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters()}
+    out = trainer.forward_backward(rs, ppo_loss_fn())
+    assert out["tokens"] == 0 and out["loss"] == 0.0
+    assert trainer.optim_step()["grad_norm"] == 0.0
+    assert all(torch.equal(before[n], p.full_tensor()) for n, p in trainer.model.named_parameters())
+
+
 TWO_RANKS = """
 import json, sys, torch, torch.distributed as dist
 sys.path.insert(0, {tests!r})
