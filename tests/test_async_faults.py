@@ -17,11 +17,11 @@ import ray
 
 from actors.server import RolloutServer
 from minirl.checkpoint import Checkpointer, read_state
-from minirl.core import ppo_loss_fn
 from minirl.tasks import get_task
+from test_checkpoint import _loop            # train, checkpoint every k steps, pause a moment
 
 pytestmark = pytest.mark.slow
-ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # loops below run in actors
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # functions below run in actors
 
 LLM = {"max_model_len": 128, "enforce_eager": True}
 SETTINGS = {"reward_fn": lambda p, c: 0.0, "group_size": 4, "sampling": {"max_tokens": 2}}
@@ -106,28 +106,13 @@ def test_generator_init_failure_names_its_cause(ray_local, tiny_model):
 N = 32
 
 
-def _train(worker, root, every):
-    """Train until the queue is finished, a checkpoint every `every` steps. Returns the uids."""
-    ckpt, step, uids = Checkpointer(root), len(worker.trained_uids) // 4, []
-    for batches in worker.pull_rollouts():
-        step += 1
-        uids += [b.uid for b in batches]
-        worker.trainer.forward_backward([r for b in batches for r in b.compute_advantages()], ppo_loss_fn())
-        worker.trainer.optim_step()
-        worker.sync_weights()
-        if step % every == 0:
-            worker.save_checkpoint(ckpt, step)
-        time.sleep(0.2)                      # a moment for the test to kill us mid-run
-    return uids
-
-
 def _resume(worker, root):
     """Load the checkpoint (the queue rolls back, generators get the restored weights), then train."""
     worker.load_checkpoint(Checkpointer(root))
     gens = ray.get(worker.queue.workers.remote(), timeout=60)
     versions = {ray.get(h.info.remote(), timeout=60)["version"] for h in gens.values()}
     restored = (worker.policy_version, versions, list(worker.trained_uids))
-    _train(worker, root, 100)
+    _loop(worker, root, 100)
     return restored, list(worker.trained_uids), worker.policy_version
 
 
@@ -143,7 +128,7 @@ def test_trainer_killed_alone_and_resumed_trains_every_prompt_once(ray_local, ti
     srv.run(block=False)
     kw = {"lr": 1e-3, "batch_size": 4, "max_staleness": 1}
     pg, (trainer,) = start_trainers(1, tiny_model, "q-trainer-kill", **kw)
-    run1 = trainer.run.remote(_train, root, 2)
+    run1 = trainer.run.remote(_loop, root, 2)
     kill_at, deadline = rng.randint(10, 20), time.time() + 300    # delivered: past the step-2 checkpoint
     while srv.queue_stats()["delivered"] < kill_at and time.time() < deadline:
         time.sleep(0.05)
@@ -185,7 +170,7 @@ wm.close()
 
 
 def test_local_colocated_run_listens_on_loopback_only(tiny_model):
-    from tests.conftest import run_py
+    from conftest import run_py
     out = run_py(["-c", LISTENERS, tiny_model], timeout=300, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("LISTEN")]
     assert out.returncode == 0 and line, out.stderr[-3000:]
