@@ -244,7 +244,7 @@ class EpisodeRunner:
         rid = str(next(self._ids))
         fut = asyncio.get_running_loop().create_future()
         self._futures[rid] = fut
-        self.vc.add_request(self.llm, rid, list(token_ids), self.vc.SamplingParams(**sampling))
+        self.vc.add_request(self.llm, rid, list(token_ids), self.vc.request_params(**sampling))
         self.stats["requests"] += 1
         self._work.set()
         try:
@@ -258,8 +258,7 @@ class EpisodeRunner:
             fut = self._futures.pop(out.request_id, None) if out.finished else None
             if fut is not None and not fut.done():
                 c = out.outputs[0]
-                fut.set_result((list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)],
-                                c.finish_reason))
+                fut.set_result((list(c.token_ids), self.vc.sampled_logprobs(c), c.finish_reason))
         self.stats["steps"] += 1
 
     def run(self, episode: EpisodeFn, prompts: Sequence, *, group_size: int = 1, metadata: Sequence | None = None,
