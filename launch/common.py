@@ -48,6 +48,8 @@ def parse_args(doc: str, run_dir: str, argv=None):
     add("--optim-steps", type=int, default=1, help="optimizer steps per pass (gradients accumulated)")
     add("--micro-batch-tokens", type=int, default=16384, help="tokens per packed micro-batch")
     add("--activation-checkpointing", action="store_true")
+    add("--compile", default=None, action=argparse.BooleanOptionalAction,
+        help="torch.compile the trainer's decoder layers (default: on CUDA)")
     add("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full fine-tuning)")
     add("--lora-alpha", type=float, default=None, help="LoRA scale alpha / rank (default alpha: 2 x rank)")
     add("--lora-also-train", default="", help="comma list of modules trained in full, e.g. embed_tokens")
@@ -123,7 +125,7 @@ def trainer_config(args) -> TrainerConfig:
                          activation_checkpointing=True if args.activation_checkpointing else None,
                          lora=lora or None, cpu_offload=args.offload,
                          reference_offload=args.reference_offload,
-                         reference=args.reference or args.kl_coef > 0)
+                         reference=args.reference or args.kl_coef > 0, compile=args.compile)
 
 
 def manager_config(args):
