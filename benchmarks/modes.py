@@ -8,7 +8,7 @@ as_trainable -> forward_backward -> optim_step; a warm-up step first, not report
 gradients and AdamW state on the host); each without and with a reference policy (KL, k3, 0.01:
 with LoRA the base model is the reference; with full/offload a second model, on the host with
 offload). Fixed settings for every cell, so that cells compare and start fast: activation
-checkpointing on, the engine asleep (level 2) while training with a --kv-cache-gib KV cache, eager
+checkpointing on, layers not compiled, the engine asleep (level 2) while training with a --kv-cache-gib KV cache, eager
 (no CUDA graphs); the memory plan's start-up trial is skipped. Cells that
 minirl.colocated.estimate_memory says cannot fit are not started ("does not fit (estimate)"); a
 cell that fails to fit reports the MemoryError's message. Peak memory: the device's used memory
@@ -42,7 +42,7 @@ def trainer_config(mode: str, reference: bool, args):
     from minirl.lora import LoRAConfig
     from minirl.trainer import TrainerConfig
     return TrainerConfig(lr=1e-6, micro_batch_tokens=args.micro_batch_tokens, reference=reference,
-                         activation_checkpointing=True,
+                         activation_checkpointing=True, compile=False,   # no per-cell compile time
                          lora=LoRAConfig(rank=16) if mode == "lora" else None, cpu_offload=mode == "offload",
                          reference_offload=reference and mode == "offload")
 

@@ -43,6 +43,13 @@ for stage in "$@"; do
         --sides minirl --profile "$out/profile_${shape}_${tokens}" \
         --out "$out/profile_qwen3-${shape}_${tokens}.json" 2>&1 | grep -v "^\[" | tail -4
       head -40 "$out/profile_${shape}_${tokens}"/*.txt ;;
+    episodes)   # 256 concurrent 3-turn episodes with 0-500 ms tool waits vs single-turn, Qwen3-0.6B shape
+      timeout 420 python benchmarks/episodes.py --out "$out/episodes_h200_qwen3-0.6b.json" 2>&1 | grep -v "^\[" | tail -8 ;;
+    gsm8k)   # the GSM8K recipe at the Qwen3-0.6B shape: 1,024-token completions, evaluation included
+      timeout 420 python benchmarks/gsm8k_recipe.py --steps "${GSM8K_STEPS:-4}" \
+        --out "$out/gsm8k_recipe_h200_qwen3-0.6b.json" 2>&1 | grep -v "^\[" | tail -8 ;;
+    modes)   # which modes fit co-located on one GPU, 0.6B-8B shapes
+      python benchmarks/modes.py --budget "${MODES_BUDGET:-510}" --out "$out/modes_h200" 2>&1 | grep -v "^\[" | tail -40 ;;
     *) log "unknown stage $stage" ;;
   esac
 done
