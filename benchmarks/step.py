@@ -163,7 +163,9 @@ def run_trl(args, model: str) -> dict:
                         {"dtype": torch.float32}})
 
     real_llm = vg.LLM                          # minirl's engine compilation mode, on TRL's engine too
-    vg.LLM = lambda *a, **kw: real_llm(*a, **{"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, **kw})
+    from minirl.vllm_compat import engine_kwargs
+    graphs = engine_kwargs({}, sleep=False, seed=0, colocated=False).get("compilation_config")
+    vg.LLM = lambda *a, **kw: real_llm(*a, **{"compilation_config": graphs, **kw})
 
     def reward(prompts, completions, answer, **_):
         return [task.reward(p, c, a) for p, c, a in zip(prompts, completions, answer)]
@@ -219,7 +221,7 @@ def run_trl(args, model: str) -> dict:
         part = gen_len[i * per_step:(i + 1) * per_step]
         s["generated_tokens"] = sum(c for c, _ in part)
         s["trained_tokens"] = sum(c + p for c, p in part)
-    return {"changes": changes, "engine": "compilation_config {mode: 0, cudagraph_mode: FULL_DECODE_ONLY}",
+    return {"changes": changes, "engine": f"compilation_config {graphs}",
             "steps": steps, "peak_memory_gib": mem.stop(), "trl": __import__("trl").__version__}
 
 
