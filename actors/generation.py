@@ -21,6 +21,7 @@ import time
 
 import ray
 
+from actors import placement
 from actors.queue import connect_queue
 from minirl.faults import bounded, run_each
 
@@ -28,32 +29,30 @@ from minirl.faults import bounded, run_each
 @ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=4)
 class GenerationActor:
     def __init__(self, model: str, worker_id: str, queue_name: str, namespace: str,
-                 gen_kwargs: dict, call_timeout_s: float = 600.0):
+                 gen_kwargs: dict, call_timeout_s: float = 600.0, token: str | None = None):
         from minirl.generator import Generator
         from minirl.trainer import model_identity
         self.worker_id, self.timeout = worker_id, call_timeout_s
         self._engine = threading.Lock()          # generate and weight loads never overlap
         self._stop = threading.Event()
-        self.queue = connect_queue(queue_name, namespace=namespace)
-        self._get(self.queue.check_model.remote(model_identity(model)))
+        self.queue = connect_queue(queue_name, namespace=namespace, token=token)    # the run's token
+        self._call(self.queue.check_model, model_identity(model))
         kw = dict(gen_kwargs)
         kw["reward_fn"] = bounded(kw["reward_fn"], kw.pop("reward_timeout_s", None), "reward_fn")
         self.gen = Generator(model, **kw)
         self.group = None
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self._bootstrap()
-        self._get(self.queue.register_worker.remote(worker_id, ray.get_runtime_context().current_actor))
+        self._call(self.queue.register_worker, worker_id, ray.get_runtime_context().current_actor)
 
-    def _get(self, ref):
-        try:
-            return ray.get(ref, timeout=self.timeout)
-        except ray.exceptions.GetTimeoutError as e:
-            raise TimeoutError(f"generator {self.worker_id}: the rollout queue did not answer within "
-                               f"{self.timeout} s") from e
+    def _call(self, method, *args):
+        """A queue call, made again if the queue's actor restarts meanwhile (placement.call)."""
+        return placement.call(method, *args, timeout_s=self.timeout,
+                              what=f"generator {self.worker_id}: the rollout queue")
 
     def _bootstrap(self) -> bool:
         """Load the trainer's latest weights if the queue holds newer ones than the engine."""
-        version, refs = self._get(self.queue.weights.remote())
+        version, refs = self._call(self.queue.weights)
         if refs and version > self.gen.policy_version:
             self.load_from_store(version, refs)
             return True
@@ -66,15 +65,14 @@ class GenerationActor:
         stats = {"prompts": 0, "tokens": 0, "stale_waits": 0}
         self._stop.clear()
         while not self._stop.is_set():
-            items = self._get(self.queue.take_prompts.remote(self.worker_id, max_prompts,
-                                                             self.gen.policy_version, 1.0))
+            items = self._call(self.queue.take_prompts, self.worker_id, max_prompts, self.gen.policy_version, 1.0)
             if items is None:                    # too stale to start: newer weights first
                 stats["stale_waits"] += 1
                 if not self._bootstrap():
                     time.sleep(0.1)
                 continue
             if not items:
-                if self._get(self.queue.finished.remote()):
+                if self._call(self.queue.finished):
                     return stats
                 continue
             with self._engine:                   # stamped with the version the engine holds
@@ -83,9 +81,9 @@ class GenerationActor:
                 for r in b:
                     r.info["worker_id"] = self.worker_id
             if failed:                           # never retried: the queue's on_failure decides
-                self._get(self.queue.fail_prompts.remote(self.worker_id, failed))
+                self._call(self.queue.fail_prompts, self.worker_id, failed)
             if batches:
-                self._get(self.queue.put.remote(self.worker_id, batches, self.timeout))
+                self._call(self.queue.put, self.worker_id, batches, self.timeout)
             stats["prompts"] += len(items)
             stats["tokens"] += sum(len(r.completion_ids) for b in batches for r in b)
         return stats

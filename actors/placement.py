@@ -10,6 +10,8 @@ CPU test cluster. Which device a process uses is decided inside it (torch.cuda.i
 
 from __future__ import annotations
 
+import time
+
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -34,6 +36,19 @@ def get(ref, timeout_s: float, what: str):
         return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError as e:
         raise TimeoutError(f"{what} did not answer within {timeout_s} s") from e
+
+
+def call(method, *args, timeout_s: float, what: str, restart_s: float = 60.0, **kwargs):
+    """method.remote(*args, **kwargs), got within timeout_s; if its actor dies (RayActorError) the call
+    is made again, for up to restart_s, so it lands on the restarted actor (the rollout queue's)."""
+    deadline = time.monotonic() + restart_s
+    while True:
+        try:
+            return get(method.remote(*args, **kwargs), timeout_s, what)
+        except ray.exceptions.RayActorError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
 
 
 def cause(error: Exception) -> str:

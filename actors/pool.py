@@ -39,7 +39,7 @@ class GeneratorPool:
         actor = GenerationActor.options(**placement.on_bundle(
             pg, 0, num_cpus=bundle.get("CPU", 1), num_gpus=bundle.get("GPU", 0))).remote(
             self.model, wid, self.name, self.namespace, {**self.gen_kwargs, "seed": self.seed + self._replicas},
-            self.timeout)
+            self.timeout, getattr(self.queue, "token", None))
         self._replicas += 1
         self.generators[wid] = {"actor": actor, "pg": pg, "ready": False, "run": None,
                                 "info": actor.info.remote(), "retry_at": 0.0}
@@ -65,17 +65,21 @@ class GeneratorPool:
         ray.get(g["actor"].stop.remote(), timeout=self.timeout)
         if g["run"] is not None:
             ray.wait([g["run"]], timeout=timeout_s or self.timeout)
-        placement.get(self.queue.unregister_worker.remote(wid), self.timeout, "rollout queue")
+        placement.call(self.queue.unregister_worker, wid, timeout_s=self.timeout, what="rollout queue")
         ray.kill(g["actor"], no_restart=True)
         placement.remove(g["pg"])
         del self.generators[wid]
         return wid
 
-    def watch(self, timeout_s: float | None = None) -> None:
-        """Keep every ready generator's loop running until the queue is finished."""
+    def watch(self, timeout_s: float | None = None, rejoin=None) -> None:
+        """Keep every ready generator's loop running until the queue is finished; rejoin(ready
+        generators {worker_id: actor}) is called when the queue's actor restarted and awaits the server."""
         deadline = None if timeout_s is None else time.time() + timeout_s
         while True:
-            finished = placement.get(self.queue.finished.remote(), self.timeout, "rollout queue")
+            q = placement.call(self.queue.stats, timeout_s=self.timeout, what="rollout queue")
+            if "server" in q["awaiting"] and rejoin is not None:
+                rejoin({w: g["actor"] for w, g in self.generators.items() if g["ready"]})
+            finished = q["finished"]
             for wid, g in list(self.generators.items()):
                 if not g["ready"] and ray.wait([g["info"]], timeout=0)[0]:
                     g["ready"] = True     # placed (perhaps on a node the autoscaler just added)
@@ -102,7 +106,7 @@ class GeneratorPool:
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
             self.stats["failures"] += 1
             self.last_failure = repr(e)[:500]
-            placement.get(self.queue.release_worker.remote(wid), self.timeout, "rollout queue")
+            placement.call(self.queue.release_worker, wid, timeout_s=self.timeout, what="rollout queue")
             if g is not None:
                 g["retry_at"] = time.time() + 1.0          # let the actor restart
 

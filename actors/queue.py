@@ -5,21 +5,22 @@
     ray.get(q.put.remote("gen-0", batches, 300.0))              # generator: waits for space
     ray.get(q.get.remote(16, 300.0))                            # trainer: within max_staleness
 
-Blocking calls wait on an asyncio.Condition notified on every state change, with a timeout
-(None: forever); settings and states are typed calls. Batches cross as values, so they survive
-the generator that made them. State is in memory only: if the actor dies the queue is gone.
-Tests: tests/test_queue_actor.py. Hardware: CPU (any; num_cpus=0).
+Blocking calls wait on an asyncio.Condition notified on every state change, with a timeout.
+Every call carries the run's token (actors/tokens.py). If the actor dies Ray restarts it empty;
+it holds work until server and trainer rejoin (RolloutHub.rejoin_*; callers retry: placement.call).
+Tests: tests/test_queue_actor.py, tests/test_async_faults.py. Hardware: CPU (any; num_cpus=0).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
 import time
 
 import ray
 
 from actors import placement
+from actors.tokens import QueueClient, guarded, known, remember
 from minirl.hub import RolloutHub
 
 DEFAULT_NAMESPACE = "minirl"
@@ -27,19 +28,17 @@ RPC_TIMEOUT_S = 60.0
 
 
 def _locked(method):
-    """An actor method that runs the hub's `method` under the lock and wakes every waiter."""
-    @functools.wraps(method)
-    async def call(self, *args, **kwargs):
-        return await self._until(lambda: method(self.hub, *args, **kwargs), 0)
-    return call
+    """An actor method (token checked) that runs the hub's `method` under the lock and wakes every waiter."""
+    return guarded(lambda self, *args, **kw: self._until(lambda: method(self.hub, *args, **kw), 0), like=method)
 
 
-@ray.remote(num_cpus=0, max_concurrency=1000)
+@ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=-1, max_task_retries=0)
 class RolloutQueueActor:
     def __init__(self, max_batches: int, *, model_id: str | None = None, name: str = "rollouts",
-                 on_failure: str = "stop"):
-        self.name, self.hub = name, RolloutHub(max_batches, model_id=model_id, name=name, on_failure=on_failure)
-        self._cond = asyncio.Condition()
+                 on_failure: str = "stop", token: str | None = None):
+        self.name, self.token, self._cond = name, token, asyncio.Condition()    # token None: open to all
+        again = ray.get_runtime_context().was_current_actor_reconstructed      # restarted by Ray: empty
+        self.hub = RolloutHub(max_batches, model_id=model_id, name=name, on_failure=on_failure, restarted=again)
 
     async def _until(self, attempt, timeout_s: float | None):
         """Under the lock, attempt() now and after each state change until it is not ... (or timeout)."""
@@ -54,11 +53,10 @@ class RolloutQueueActor:
                 left = None if deadline is None else deadline - loop.time()
                 if out is not ... or (left is not None and left <= 0):
                     return out
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._cond.wait(), left)
-                except asyncio.TimeoutError:
-                    pass
 
+    @guarded
     async def put(self, worker_id: str, batches: list, timeout_s: float | None = 300.0) -> int:
         """Wait for a free slot, then buffer the batches; returns how many were accepted."""
         out = await self._until(lambda: self.hub.put_batches(worker_id, batches)
@@ -68,6 +66,7 @@ class RolloutQueueActor:
                                f"trainer running? (stats: {self.hub.stats()})")
         return out
 
+    @guarded
     async def get(self, n: int, timeout_s: float | None = 300.0, partial_at_end: bool = True) -> list:
         """The oldest n batches within max_staleness (older ones are recycled on the way); at the
         end (prompts closed, none pending or leased) what remains, then []."""
@@ -78,6 +77,7 @@ class RolloutQueueActor:
                                f"(stats: {self.hub.stats()}): are the generators running?")
         return out
 
+    @guarded
     async def take_prompts(self, worker_id: str, k: int, version: int | None = None,
                            timeout_s: float | None = 0.0) -> list | None:
         """Lease up to k prompts, waiting up to timeout_s for one; [] when there is none (check
@@ -86,50 +86,51 @@ class RolloutQueueActor:
                                 and not self.hub.finished() else got, timeout_s)
         return [] if out is ... else out
 
+    @guarded
     async def wait_trainer_done(self, timeout_s: float | None = 600.0) -> bool:   # the run's end
         return await self._until(lambda: True if self.hub.trainer_done else ..., timeout_s) is True
 
-    # -- typed settings and states, and the hub's own calls (mutators wake every waiter) ------
-    add_prompts = _locked(RolloutHub.add_prompts)
-    close_prompts = _locked(RolloutHub.close_prompts)
-    set_max_staleness = _locked(RolloutHub.set_max_staleness)
-    set_version = _locked(RolloutHub.set_version)
-    set_trainer_done = _locked(RolloutHub.set_trainer_done)
+    add_prompts, close_prompts = _locked(RolloutHub.add_prompts), _locked(RolloutHub.close_prompts)
+    set_max_staleness, set_version = _locked(RolloutHub.set_max_staleness), _locked(RolloutHub.set_version)
+    set_trainer_done, release_worker = _locked(RolloutHub.set_trainer_done), _locked(RolloutHub.release_worker)
     register_worker = _locked(RolloutHub.register_worker)
     unregister_worker = _locked(RolloutHub.unregister_worker)
-    release_worker = _locked(RolloutHub.release_worker)
     restore, rollback = _locked(RolloutHub.restore), _locked(RolloutHub.rollback)
     fail_prompts, failures = _locked(RolloutHub.fail_prompts), _locked(RolloutHub.failures)
     snapshot, weights = _locked(RolloutHub.snapshot), _locked(RolloutHub.weights)
     workers, finished = _locked(RolloutHub.workers), _locked(RolloutHub.finished)
-    stats = _locked(RolloutHub.stats)
-    check_model = _locked(RolloutHub.check_model)
+    stats, check_model = _locked(RolloutHub.stats), _locked(RolloutHub.check_model)
+    rejoin_server, rejoin_trainer = _locked(RolloutHub.rejoin_server), _locked(RolloutHub.rejoin_trainer)
 
 
 def create_queue(name: str, *, max_batches: int, namespace: str = DEFAULT_NAMESPACE,
-                 model_id: str | None = None, detached: bool = True, on_failure: str = "stop"):
-    """Get or create the queue actor `name` beside its creator (never on an autoscaled generation
-    node, which it would keep alive); ValueError if it exists with other settings. detached: it
-    outlives its creator (ray.kill it, or it dies with the cluster). on_failure: see RolloutHub."""
+                 model_id: str | None = None, detached: bool = True, on_failure: str = "stop",
+                 token: str | None = None):
+    """Get or create the queue actor `name` beside its creator (never on an autoscaled node, which it would
+    keep alive); ValueError if it exists with other settings, PermissionError with another token (given
+    one, a QueueClient: actors/tokens.py). detached: it outlives its creator (ray.kill it)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     placement.require_ray()
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     handle = RolloutQueueActor.options(
         name=name, namespace=namespace, lifetime="detached" if detached else None, get_if_exists=True,
-        scheduling_strategy=here).remote(max_batches, model_id=model_id, name=name, on_failure=on_failure)
+        scheduling_strategy=here).remote(max_batches, model_id=model_id, name=name, on_failure=on_failure,
+                                         token=token)
+    handle = QueueClient(handle, token) if token else handle
     have = ray.get(handle.stats.remote(), timeout=RPC_TIMEOUT_S)
     for key, want in (("max_batches", max_batches), ("on_failure", on_failure)):
         if have[key] != want:
             raise ValueError(f"rollout queue {name} in namespace {namespace} already exists with {key}="
                              f"{have[key]!r}, not {want!r}: use the same value, another name, or ray.kill it")
     ray.get(handle.check_model.remote(model_id), timeout=RPC_TIMEOUT_S)   # ValueError: another model
+    remember(namespace, name, token)
     return handle
 
 
 def connect_queue(name: str, *, namespace: str = DEFAULT_NAMESPACE, timeout_s: float = 30.0,
-                  model_id: str | None = None):
-    """The handle of an existing queue, waiting up to timeout_s for it to appear (LookupError);
-    with model_id, the queue's ValueError if it serves another model."""
+                  model_id: str | None = None, token: str | None = None):
+    """An existing queue's handle, waiting up to timeout_s for it (LookupError); model_id: see check_model;
+    token (default: tokens.known): a QueueClient that sends it (PermissionError: not the queue's)."""
     placement.require_ray()
     deadline, delay = time.monotonic() + timeout_s, 0.05
     while True:
@@ -140,10 +141,9 @@ def connect_queue(name: str, *, namespace: str = DEFAULT_NAMESPACE, timeout_s: f
             if time.monotonic() >= deadline:
                 raise LookupError(f"no rollout queue named {name} in namespace {namespace}: start "
                                   "the RolloutServer first, or check queue_address") from None
-            time.sleep(delay)
-            delay = min(2 * delay, 1.0)
-    if model_id is not None:
-        ray.get(handle.check_model.remote(model_id), timeout=RPC_TIMEOUT_S)
+            time.sleep(delay := min(2 * delay, 1.0))
+    handle = QueueClient(handle, token) if (token := token or known(namespace, name)) else handle
+    ray.get(handle.check_model.remote(model_id), timeout=RPC_TIMEOUT_S)   # also checks the token
     return handle
 
 

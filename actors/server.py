@@ -6,22 +6,20 @@ prompts, and a GeneratorPool (actors/pool.py) of vLLM actors that feed it.
     server.run()                     # returns once the trainer has taken every prompt
     server.wait_trainer_done()       # ... and once it has trained and synced the last of them
 
-Bad settings (group_size, sampling, timeouts, on_failure) are refused here, before any engine
-starts. A prompt whose request fails is never retried: on_failure="stop" (default) ends the run,
-the trainer's pull raising the cause (uid and error) and wait() too; "skip" records it (failures(),
-stats "failed") and goes on. The pool grows (add_generator: a pending placement group asks the autoscaler for a node) and
-shrinks (remove_generator: drains first) at run time. Every wait has a timeout. Hardware: CPU
-or GPUs.
+Bad settings are refused before any engine starts. A failed request is never retried:
+on_failure="stop" (default) ends the run with its cause (the trainer's pull and wait() raise it),
+"skip" records it (failures()). The pool grows and shrinks at run time (add_generator,
+remove_generator). If the queue's actor dies, Ray restarts it, the server sends its prompts and
+generators again, the trainer what it trained: each prompt still trains once. Hardware: CPU or GPUs.
 """
 
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import ray
 
-from actors import placement
+from actors import placement, tokens
 from actors.pool import GeneratorPool
 from actors.queue import DEFAULT_NAMESPACE, create_queue
 
@@ -29,16 +27,17 @@ from actors.queue import DEFAULT_NAMESPACE, create_queue
 class RolloutServer:
     """RolloutServer(model, queue_address, reward_fn=... or episode=..., num_generators, group_size,
     sampling, ...): reward_fn follows parse_vllm_outputs' contract (each call bounded by reward_timeout_s);
-    `episode` (an async episode of minirl.episodes, under `episode_config`) replaces the one-turn episode
-    reward_fn scores; `sampling` are SamplingParams kwargs, llm_kwargs go to each vllm.LLM, `resources` is
-    one replica's bundle (default {"CPU": 1, "GPU": 1} on a GPU cluster)."""
+    `episode` (an async episode of minirl.episodes, under `episode_config`) replaces reward_fn's one-turn
+    episode; `sampling`: SamplingParams kwargs; llm_kwargs: each vllm.LLM's; `resources`: one replica's bundle
+    (default {"CPU": 1, "GPU": 1} on GPUs); `token`: the run's, the queue refuses others (actors/tokens.py)."""
 
     def __init__(self, model: str, queue_address: str = "minirl-rollouts", *, reward_fn=None,
                  num_generators: int = 1, group_size: int = 8, sampling: dict | None = None,
                  queue_size: int = 64, prompts_per_call: int = 8, resources: dict | None = None,
                  namespace: str = DEFAULT_NAMESPACE, seed: int = 0, call_timeout_s: float = 600.0,
                  ready_timeout_s: float = 600.0, llm_kwargs: dict | None = None, on_failure: str = "stop",
-                 reward_timeout_s: float | None = 300.0, episode=None, episode_config=None):
+                 reward_timeout_s: float | None = 300.0, episode=None, episode_config=None,
+                 token: str | None = None):
         from minirl import faults, trainer
         faults.check_settings("RolloutServer", group_size, sampling, episode or reward_fn, reward_timeout_s, on_failure,
                        {"num_generators": (num_generators, 0), "queue_size": (queue_size, 1),
@@ -46,7 +45,8 @@ class RolloutServer:
                         "ready_timeout_s": (ready_timeout_s, 1e-9)})
         placement.ray_init(namespace)
         self.model, self.timeout = trainer.check_model_path(model), call_timeout_s
-        self.queue = create_queue(queue_address, max_batches=queue_size, namespace=namespace,
+        self.token = tokens.for_run(token)
+        self.queue = create_queue(queue_address, max_batches=queue_size, namespace=namespace, token=self.token,
                                   model_id=trainer.model_identity(self.model), on_failure=on_failure)
         gen = {"reward_fn": reward_fn, "group_size": group_size, "sampling": sampling, "episode": episode,
                "episode_config": episode_config, "reward_timeout_s": reward_timeout_s, **(llm_kwargs or {})}
@@ -55,7 +55,7 @@ class RolloutServer:
                                   prompts_per_call=prompts_per_call, call_timeout_s=call_timeout_s,
                                   ready_timeout_s=ready_timeout_s)
         self.generators, self.stats = self.pool.generators, self.pool.stats
-        self._thread, self._error = None, None
+        self._thread, self._error, self._items, self._closed = None, None, [], False   # items: for a rejoin
         for wid in [self.pool.add(wait=False) for _ in range(num_generators)]:
             self.pool.wait_ready(wid)
 
@@ -71,29 +71,22 @@ class RolloutServer:
                close: bool = True, skip_known: bool = False) -> int:
         """Add prompts (text or token ids) to the queue; close=True says no more come. skip_known
         skips uids the queue already knows (after restore()). Returns how many were added."""
-        from minirl.hub import PromptItem
-        for name, seq in (("metadata", metadata), ("uids", uids)):
-            if seq is not None and len(seq) != len(prompts):
-                raise ValueError(f"{len(seq)} {name} entries for {len(prompts)} prompts")
-        items = [PromptItem(uid=i if uids is None else uids[i], prompt=p,
-                            metadata=None if metadata is None else metadata[i]) for i, p in enumerate(prompts)]
-        added = placement.get(self.queue.add_prompts.remote(items, skip_known=skip_known), self.timeout, "rollout queue")
+        from minirl.hub import prompt_items
+        items = prompt_items(prompts, metadata, uids)
+        added = self._q(self.queue.add_prompts, items, skip_known=skip_known)
+        self._items += items
         if close:
-            placement.get(self.queue.close_prompts.remote(), self.timeout, "rollout queue")
+            self._q(self.queue.close_prompts)
+            self._closed = True
         return added
 
     def restore(self, checkpoint) -> dict:
-        """Resume the prompt bookkeeping of a checkpointed async run (TrainWorker.save_checkpoint):
-        prompts trained before it never come back, the rollouts it had queued return to the
-        queue. `checkpoint`: a checkpoint directory or a Checkpointer root (its latest)."""
-        from minirl.checkpoint import Checkpointer, read_state
-        path = checkpoint if (Path(checkpoint) / "state.json").exists() else Checkpointer(checkpoint).latest()
-        if path is None:
-            raise FileNotFoundError(f"no complete checkpoint under {checkpoint}")
-        ck = read_state(path)
-        trained, queued = ck["state"]["trained_uids"], ck["objects"].get("queue", {}).get("buffered", [])
-        placement.get(self.queue.restore.remote(trained, queued), self.timeout, "rollout queue")
-        return {"path": ck["path"], "trained": len(trained), "queued": len(queued)}
+        """Resume the prompt bookkeeping of a checkpoint (TrainWorker.save_checkpoint; a directory or a
+        Checkpointer root): prompts trained before it never come back, its queued rollouts return."""
+        from minirl.hub import checkpointed_queue
+        path, trained, queued = checkpointed_queue(checkpoint)
+        self._q(self.queue.restore, trained, queued)
+        return {"path": path, "trained": len(trained), "queued": len(queued)}
 
     def run(self, prompts: list | None = None, *, metadata=None, uids=None, timeout_s: float | None = None,
             block: bool = True) -> dict:
@@ -118,18 +111,22 @@ class RolloutServer:
 
     def failures(self) -> dict:
         """uid -> cause of every prompt whose request failed (skipped under on_failure="skip")."""
-        return placement.get(self.queue.failures.remote(), self.timeout, "rollout queue")
+        return self._q(self.queue.failures)
 
     def wait_trainer_done(self, timeout_s: float = 600.0) -> None:
         """Block until the trainer says it trained and synced its last batch (the run's end)."""
-        if not placement.get(self.queue.wait_trainer_done.remote(timeout_s), timeout_s + 30, "rollout queue"):
+        if not placement.call(self.queue.wait_trainer_done, timeout_s, timeout_s=timeout_s + 30, what="the queue"):
             raise TimeoutError(f"the trainer did not finish within {timeout_s} s of the last rollout")
 
     def _watch(self, timeout_s):
         try:
-            self.pool.watch(timeout_s)
+            self.pool.watch(timeout_s, self._rejoin)
         except BaseException as e:    # surfaced by wait()
             self._error = e
+
+    def _rejoin(self, generators: dict) -> None:
+        """The queue's actor restarted empty: its prompts, whether closed, and the ready generators again."""
+        self._q(self.queue.rejoin_server, self._items, self._closed, generators)
 
     def evaluate(self, prompts: list, answers: list, reward_fn, **eval_kwargs) -> dict:
         """eval/... metrics (minirl.evaluation.evaluate) of one generator's current weights, and their version."""
@@ -137,7 +134,10 @@ class RolloutServer:
         return placement.get(actor.evaluate.remote(prompts, answers, reward_fn, eval_kwargs), self.timeout, "eval")
 
     def queue_stats(self) -> dict:
-        return placement.get(self.queue.stats.remote(), self.timeout, "rollout queue")
+        return self._q(self.queue.stats)
+
+    def _q(self, method, *args, **kwargs):      # a queue call, made again across a restart of its actor
+        return placement.call(method, *args, timeout_s=self.timeout, what="rollout queue", **kwargs)
 
     def shutdown(self, *, remove_queue: bool = False) -> None:
         for g in self.generators.values():
@@ -145,5 +145,5 @@ class RolloutServer:
             placement.remove(g["pg"])
         self.generators.clear()
         if remove_queue:
-            ray.kill(self.queue)
+            ray.kill(self.queue.handle)
 

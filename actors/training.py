@@ -6,12 +6,12 @@ queue, pushing weights to the generators) and TrainingActor, one rank of it on R
         ...worker.trainer.forward_backward(...) / optim_step(), or worker.model / worker.optimizer...
         worker.sync_weights()                       # publish a version, push it, verify it arrived
     worker.finish()                                 # the run's end, for the server side
-
     pg, trainers = start_trainers(2, model, "rollouts", lr=1e-6)   # SPMD: run(fn) on every rank
 
-Rank 0 pulls each step's batches and shares them, split by tokens. Weights go through the object
-store or a collective group (actors/weights.py); every sync is verified like the co-located one
-unless verify_sync=False. Hardware: CPU or one GPU per rank.
+Rank 0 pulls each step's batches and shares them, split by tokens; if the queue's actor restarted,
+it rejoins it first (what it pulled, its version and weights). Weights go through the object store
+or a collective group (actors/weights.py), verified unless verify_sync=False. Hardware: CPU or one
+GPU per rank.
 """
 
 from __future__ import annotations
@@ -22,37 +22,36 @@ from dataclasses import replace
 import ray
 import torch.distributed as dist
 
-from actors import placement
+from actors import placement, tokens
 from actors.queue import DEFAULT_NAMESPACE, connect_queue
 from actors.weights import WeightPusher
 from minirl.data import RolloutBatch, split_by_tokens
+from minirl.hub import QueueRestarted
 from minirl.trainer import Trainer, TrainerConfig, check_model_path, model_identity
 
 
 class TrainWorker:
-    """TrainWorker(model, queue_address, lr=..., config=TrainerConfig(...), max_staleness=1,
-    batch_size=8, transport="object_store" | "collective"). Under torchrun (or several Ray
-    actors) every rank constructs one."""
+    """TrainWorker(model, queue_address, lr=..., config=TrainerConfig(...), max_staleness=1, batch_size=8,
+    transport="object_store" | "collective"). Under torchrun (or several Ray actors) every rank makes one."""
 
     def __init__(self, model: str, queue_address: str = "minirl-rollouts", *, lr: float | None = None,
                  config: TrainerConfig | None = None, max_staleness: int = 1, batch_size: int = 8,
                  transport: str = "object_store", verify_sync: bool = True,
-                 namespace: str = DEFAULT_NAMESPACE, pull_timeout_s: float = 600.0, sync_timeout_s: float = 600.0):
+                 namespace: str = DEFAULT_NAMESPACE, pull_timeout_s: float = 600.0, sync_timeout_s: float = 600.0,
+                 queue_token: str | None = None):
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         placement.ray_init(namespace)
-        config = config or TrainerConfig()
-        self.queue = connect_queue(queue_address, namespace=namespace,
+        self.queue = connect_queue(queue_address, namespace=namespace, token=queue_token,   # see actors/tokens.py
                                    model_id=model_identity(check_model_path(model)))
-        self.trainer = Trainer(model, config if lr is None else replace(config, lr=lr))
-        self.rank, self.device = self.trainer.rank, self.trainer.device
+        self.trainer = Trainer(model, replace(config or TrainerConfig(), **({} if lr is None else {"lr": lr})))
+        self.rank, self.device, self.max_staleness = self.trainer.rank, self.trainer.device, max_staleness
         self.batch_size, self.pull_timeout, self.timeout = batch_size, pull_timeout_s, sync_timeout_s
         if self.rank.rank == 0:
-            placement.get(self.queue.set_max_staleness.remote(max_staleness), self.timeout, "rollout queue")
-        self.trainer.policy_version = placement.get(self.queue.stats.remote(), self.timeout, "rollout queue")["version"]
+            self._q(self.queue.set_max_staleness, max_staleness)
+        self.trainer.policy_version = self._q(self.queue.stats)["version"]
         self.pusher = WeightPusher(self.trainer, self.queue, transport, verify=verify_sync, timeout_s=sync_timeout_s)
-        self.trained_uids: list = []     # every prompt pulled for training (exactly once), in order
-        self.timings: dict[str, float] = {}
+        self.trained_uids, self.timings = [], {}     # trained_uids: every prompt pulled (once), in order
 
     model = property(lambda self: self.trainer.model)
     optimizer = property(lambda self: self.trainer.optimizer)
@@ -63,8 +62,7 @@ class TrainWorker:
         until the queue is finished (the last pull may hold fewer). Tensors on this rank's device."""
         n, world = batch_size or self.batch_size, self.rank.world_size
         while True:
-            got = (placement.get(self.queue.get.remote(n * world, self.pull_timeout), self.pull_timeout + 30,
-                                 "rollout queue") if self.rank.rank == 0 else None)
+            got = self._pull(n * world) if self.rank.rank == 0 else None
             if world > 1:
                 box = [got]
                 dist.broadcast_object_list(box, src=0)
@@ -76,6 +74,16 @@ class TrainWorker:
             mine = split_by_tokens(got, world)[self.rank.rank]
             yield [RolloutBatch([r.to(self.device) for r in b], uid=b.uid) for b in mine]
 
+    def _pull(self, n: int) -> list:
+        while True:
+            try:
+                return self._q(self.queue.get, n, self.pull_timeout, wait_s=self.pull_timeout)
+            except QueueRestarted:     # its actor restarted empty: rejoin with what this trainer holds
+                self._q(self.queue.rejoin_trainer, self.trained_uids, self.policy_version, self.pusher.refs, self.max_staleness)
+
+    def _q(self, method, *args, wait_s: float = 0.0):     # made again across a restart of the queue's actor
+        return placement.call(method, *args, timeout_s=wait_s + self.timeout, what="rollout queue")
+
     def sync_weights(self) -> dict:
         """Publish the trainer's weights as a version and push them to every generator; with
         verification, raise SyncError unless each generator's probe log-probs match. Collective."""
@@ -86,34 +94,29 @@ class TrainWorker:
     def save_checkpoint(self, ckpt, step: int, *, state: dict | None = None, export_hf: bool = False):
         """Trainer state, the prompts trained so far and what the queue holds. Call right after
         sync_weights() at the end of a step. Collective."""
-        queue = placement.get(self.queue.snapshot.remote(), self.timeout, "rollout queue") if self.rank.rank == 0 else {}
+        queue = self._q(self.queue.snapshot) if self.rank.rank == 0 else {}
         state = {"trained_uids": self.trained_uids, "in_flight": [it.uid for it in queue.get("in_flight", [])],
                  **(state or {})}
         return self.trainer.save_checkpoint(ckpt, step, state=state, objects={"queue": queue}, export_hf=export_hf)
 
     def load_checkpoint(self, ckpt, path=None) -> dict:
-        """Restore the trainer and its trained prompts; the queue rolls back to them (what was
-        delivered after the checkpoint comes again, rollouts of the lost trainer's newer weights
-        are refused) and names the next version; then the restored weights, under it, replace
-        every generator's. Works on the running queue (only the trainer died) as on a fresh one
-        (after RolloutServer.restore). Collective."""
+        """Restore the trainer and its trained prompts; the queue rolls back to them (RolloutHub.rollback);
+        the restored weights replace every generator's. Running or fresh (restored) queue. Collective."""
         out = self.trainer.load_checkpoint(ckpt, path)
         self.trained_uids = list(out["state"]["trained_uids"])
-        box = [placement.get(self.queue.rollback.remote(self.trained_uids, self.trainer.policy_version),
-                             self.timeout, "rollout queue") if self.rank.rank == 0 else None]
+        box = [self._q(self.queue.rollback, self.trained_uids, self.policy_version) if self.rank.rank == 0 else None]
         if self.rank.world_size > 1:
             dist.broadcast_object_list(box, src=0)
         self.trainer.policy_version = box[0]
         self.sync_weights()
         return out
 
-    def finish(self) -> None:
-        """Tell the server side the trainer trained and synced its last batch."""
+    def finish(self) -> None:    # tell the server side the trainer trained and synced its last batch
         if self.rank.rank == 0:
-            placement.get(self.queue.set_trainer_done.remote(), self.timeout, "rollout queue")
+            self._q(self.queue.set_trainer_done)
 
     def queue_stats(self) -> dict:
-        return placement.get(self.queue.stats.remote(), self.timeout, "rollout queue")
+        return self._q(self.queue.stats)
 
     def close(self) -> None:
         self.pusher.close()
@@ -132,9 +135,6 @@ class TrainingActor(placement.RankActor):
         """fn(worker, *args) on this rank's TrainWorker (SPMD)."""
         return fn(self.worker, *args)
 
-    def sync_weights(self) -> dict:
-        return self.worker.sync_weights()
-
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
@@ -142,8 +142,8 @@ class TrainingActor(placement.RankActor):
 
 def start_trainers(num: int, model: str, queue_address: str, *, bundle: dict | None = None,
                    timeout_s: float = 600.0, **kwargs):
-    """N training ranks in one placement group, each holding a TrainWorker(model, queue_address,
-    **kwargs). Returns (pg, actors)."""
+    """(pg, actors): N training ranks in one placement group, each a TrainWorker(model, queue_address, **kw)."""
+    kwargs.setdefault("queue_token", tokens.known(kwargs.get("namespace", DEFAULT_NAMESPACE), queue_address))
     pg, actors = placement.start_ranks(TrainingActor, num, bundle=bundle, timeout_s=timeout_s)
     ray.get([a.setup.remote(model, queue_address, kwargs) for a in actors], timeout=timeout_s)
     return pg, actors

@@ -46,7 +46,7 @@ class WeightPusher:
     def push(self) -> dict:
         tr, t = self.trainer, {}
         version = tr.publish()
-        gens = placement.get(self.queue.workers.remote(), self.timeout, "rollout queue") if self.rank0 else {}
+        gens = placement.call(self.queue.workers, timeout_s=self.timeout, what="rollout queue") if self.rank0 else {}
         sent = [0]
 
         def count(bucket):
@@ -57,14 +57,14 @@ class WeightPusher:
             fp, lp = tr.gather(ship, dtype=tr.compute_dtype, probe_ids=self.probe)
             if self.rank0:
                 self.refs = refs                 # kept alive: restarted generators fetch them
-                placement.get(self.queue.set_version.remote(version, refs), self.timeout, "rollout queue")
+                placement.call(self.queue.set_version, version, refs, timeout_s=self.timeout, what="rollout queue")
                 acks = {w: h.load_from_store.remote(version, refs, self.probe) for w, h in gens.items()}
         else:
             acks, send = (self._broadcast_to(gens, version, t) if self.rank0 else ({}, None))
             fp, lp = tr.gather((lambda b: (count(b), send(b))) if send else (lambda b: None),
                                dtype=tr.compute_dtype, probe_ids=self.probe)
             if self.rank0:
-                placement.get(self.queue.set_version.remote(version, None), self.timeout, "rollout queue")
+                placement.call(self.queue.set_version, version, None, timeout_s=self.timeout, what="rollout queue")
         if not self.rank0:
             return t
         t0 = time.perf_counter()

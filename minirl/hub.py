@@ -12,6 +12,9 @@ dropped, counted in "duplicates". A prompt whose request fails is never retried:
 (default) ends the run, the trainer's next take_batches raising the cause; "skip" records it in
 failures() and goes on. rollback() resumes a restored trainer: what it did not train comes back,
 and batches of weights newer than its checkpoint (which no trainer holds) are refused.
+A hub rebuilt after its actor died (restarted=True) holds leases and deliveries until the server
+(rejoin_server: its prompts, whether closed, its generators) and the live trainer (rejoin_trainer:
+what it trained, its version and weights) have sent their state again: every prompt still trains once.
 actors/queue.py wraps a hub in an async Ray actor with blocking calls. Tests: `pytest
 tests/test_hub.py`. Hardware: CPU (any).
 """
@@ -34,11 +37,37 @@ class PromptItem:
     attempts: int = 0       # times re-issued (worker lost, batch too stale); 0 when first generated
 
 
+def prompt_items(prompts: list, metadata: list | None = None, uids: list | None = None) -> list[PromptItem]:
+    """PromptItems of prompts (text or token ids), their metadata and uids (default: positions)."""
+    for name, seq in (("metadata", metadata), ("uids", uids)):
+        if seq is not None and len(seq) != len(prompts):
+            raise ValueError(f"{len(seq)} {name} entries for {len(prompts)} prompts")
+    return [PromptItem(uid=i if uids is None else uids[i], prompt=p,
+                       metadata=None if metadata is None else metadata[i]) for i, p in enumerate(prompts)]
+
+
+def checkpointed_queue(checkpoint) -> tuple:
+    """(path, trained uids, queued [(PromptItem, RolloutBatch)]) of an async run's checkpoint (a
+    directory, or a Checkpointer root: its latest), as TrainWorker.save_checkpoint wrote them."""
+    from pathlib import Path
+
+    from minirl.checkpoint import Checkpointer, read_state
+    path = checkpoint if (Path(checkpoint) / "state.json").exists() else Checkpointer(checkpoint).latest()
+    if path is None:
+        raise FileNotFoundError(f"no complete checkpoint under {checkpoint}")
+    ck = read_state(path)
+    return ck["path"], ck["state"]["trained_uids"], ck["objects"].get("queue", {}).get("buffered", [])
+
+
+class QueueRestarted(RuntimeError):
+    """The queue's actor restarted with an empty hub: the trainer must rejoin_trainer first."""
+
+
 class RolloutHub:
     """Prompt pool + bounded rollout buffer + exactly-once accounting; not thread-safe (one owner)."""
 
     def __init__(self, max_batches: int, *, model_id: str | None = None, name: str = "hub",
-                 on_failure: str = "stop"):
+                 on_failure: str = "stop", restarted: bool = False):
         if int(max_batches) < 1:
             raise ValueError(f"max_batches must be >= 1, got {max_batches}")
         if on_failure not in ("stop", "skip"):
@@ -61,6 +90,8 @@ class RolloutHub:
         self._weights: Any = None
         self._workers: dict[str, Any] = {}
         self.max_staleness: int | None = None   # set by the trainer; see take_prompts, take_batches
+        self.restarted = restarted                 # rebuilt after its actor died: empty until both rejoin
+        self.awaiting = {"server", "trainer"} if restarted else set()
 
     def _known(self, uid) -> bool:     # pending, leased, buffered, delivered or failed
         return uid in self._items or uid in self._delivered or uid in self._failed
@@ -125,7 +156,7 @@ class RolloutHub:
         if (self._pending and version is not None and self.max_staleness is not None
                 and self._version - version > self.max_staleness):
             return None
-        if self.error is not None:      # the run stops: lease nothing more
+        if self.error is not None or self.awaiting:   # the run stops, or a rebuilt hub waits for its state
             return []
         uids = [self._pending.popitem(last=False)[0] for _ in range(min(k, len(self._pending)))]
         self._leases.update(dict.fromkeys(uids, worker_id))
@@ -181,6 +212,9 @@ class RolloutHub:
         (recycled_stale). partial_at_end: once prompts are closed, none pending or leased, what's left."""
         if self.error is not None:
             raise RuntimeError(self.error)
+        if "trainer" in self.awaiting:
+            raise QueueRestarted(f"rollout queue {self.name} restarted and lost its state: the trainer must "
+                                 "rejoin_trainer (TrainWorker.pull_rollouts does) before it takes batches")
         if not 1 <= n <= self.max_batches:
             raise ValueError(f"take_batches(n={n}) on a hub with max_batches={self.max_batches}: n must be "
                              "in [1, max_batches] (make the queue at least as big as one training step)")
@@ -249,6 +283,26 @@ class RolloutHub:
         self._version = self._top_version = max(version, self._top_version)
         return self._version
 
+    def rejoin_server(self, items: list[PromptItem], closed: bool, workers: dict) -> int:
+        """After a restart: the server's prompts (uids the trainer already rejoined with are skipped),
+        whether it closed them, and its generators {worker_id: handle}. Returns how many were added."""
+        added = self.add_prompts(items, skip_known=True) if not self._closed else 0
+        self._closed = self._closed or closed
+        for wid, handle in workers.items():
+            self.register_worker(wid, handle)
+        self.awaiting.discard("server")
+        return added
+
+    def rejoin_trainer(self, trained: list, version: int, weights: Any, max_staleness: int | None) -> int:
+        """After a restart: the live trainer's pulled uids (never issued again), its policy version
+        and weights handle (generators bootstrap from them) and staleness bound. Returns its version."""
+        if max_staleness is not None:
+            self.set_max_staleness(max_staleness)
+        version = self.rollback(trained, version)
+        self.set_version(version, weights)
+        self.awaiting.discard("trainer")
+        return version
+
     def set_version(self, version: int, weights: Any = None) -> None:
         """Publish the trainer's policy version and an opaque handle to its weights (None clears it)."""
         self._version = int(version)
@@ -280,7 +334,7 @@ class RolloutHub:
 
     def finished(self) -> bool:
         """Prompts are closed and nothing is pending, leased or buffered; or a failure stops the run."""
-        return (self._closed and not self._items) or self.error is not None
+        return (self._closed and not self._items and not self.awaiting) or self.error is not None
 
     def stats(self) -> dict:
         return {"pending": len(self._pending), "leased": len(self._leases), "buffered": len(self._buffer),
@@ -288,7 +342,9 @@ class RolloutHub:
                 "duplicates": self._duplicates, "max_batches": self.max_batches, "version": self._version,
                 "workers": len(self._workers), "closed": self._closed, "max_staleness": self.max_staleness,
                 "trainer_done": self.trainer_done, "failed": len(self._failed), "error": self.error,
-                "rolled_back": self._rolled_back, "on_failure": self.on_failure}
+                "rolled_back": self._rolled_back, "on_failure": self.on_failure,
+                "awaiting": sorted(self.awaiting), "finished": self.finished(),
+                "restarted": self.restarted}
 
 
-__all__ = ["PromptItem", "RolloutHub"]
+__all__ = ["PromptItem", "QueueRestarted", "RolloutHub", "checkpointed_queue", "prompt_items"]

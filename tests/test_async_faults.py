@@ -1,8 +1,9 @@
 """Faults on the async backend (local Ray, CPU): bad settings refused before any engine starts, a
 prompt whose request fails (too long, reward_fn raised or blocked) stopping the run or skipped
 and recorded (never retried), a generator whose __init__ fails naming its cause, and the trainer
-alone killed at a seeded moment and resumed from its checkpoint: every prompt trained exactly
-once, and the generators back on the restored weights.
+alone killed at a seeded moment and resumed from its checkpoint, and the queue actor killed at a
+seeded moment and restarted by Ray (server and trainer rejoin it): every prompt trained exactly
+once, and the generators back on the trainer's weights.
 
 Run: `pytest tests/test_async_faults.py` (about 2 minutes on 2 cores). Hardware: CPU.
 """
@@ -116,18 +117,26 @@ def _resume(worker, root):
     return restored, list(worker.trained_uids), worker.policy_version
 
 
-@pytest.mark.parametrize("seed", [0])
-def test_trainer_killed_alone_and_resumed_trains_every_prompt_once(ray_local, tiny_model, tmp_path, seed):
+def _running(tiny_model, name, seed):
+    """A server generating N succ prompts on one generator, and one trainer rank: (server, pg, trainer)."""
     from actors.training import start_trainers
-    rng, root = random.Random(seed), str(tmp_path / "ck")
     prompts, answers = get_task("succ").sample(N, seed=seed)
-    srv = RolloutServer(tiny_model, "q-trainer-kill", reward_fn=get_task("succ").reward, num_generators=1,
+    srv = RolloutServer(tiny_model, name, reward_fn=get_task("succ").reward, num_generators=1,
                         group_size=4, sampling={"max_tokens": 2}, queue_size=8, prompts_per_call=4,
                         llm_kwargs=LLM)
     srv.submit(prompts, metadata=answers)
     srv.run(block=False)
-    kw = {"lr": 1e-3, "batch_size": 4, "max_staleness": 1}
-    pg, (trainer,) = start_trainers(1, tiny_model, "q-trainer-kill", **kw)
+    return (srv, *start_trainers(1, tiny_model, name, **TRAIN))
+
+
+TRAIN = {"lr": 1e-3, "batch_size": 4, "max_staleness": 1}
+
+
+@pytest.mark.parametrize("seed", [0])
+def test_trainer_killed_alone_and_resumed_trains_every_prompt_once(ray_local, tiny_model, tmp_path, seed):
+    from actors.training import start_trainers
+    rng, root = random.Random(seed), str(tmp_path / "ck")
+    srv, pg, (trainer,) = _running(tiny_model, "q-trainer-kill", seed)
     run1 = trainer.run.remote(_loop, root, 2)
     kill_at, deadline = rng.randint(10, 20), time.time() + 300    # delivered: past the step-2 checkpoint
     while srv.queue_stats()["delivered"] < kill_at and time.time() < deadline:
@@ -141,7 +150,7 @@ def test_trainer_killed_alone_and_resumed_trains_every_prompt_once(ray_local, ti
     ck = read_state(Checkpointer(root).latest())["state"]
     assert len(ck["trained_uids"]) < srv.queue_stats()["delivered"]   # the dead trainer pulled past it
 
-    pg, (trainer,) = start_trainers(1, tiny_model, "q-trainer-kill", **kw)
+    pg, (trainer,) = start_trainers(1, tiny_model, "q-trainer-kill", **TRAIN)
     (version, gen_versions, before), trained, final = ray.get(trainer.run.remote(_resume, root), timeout=600)
     srv.wait(timeout_s=120)
     assert before == ck["trained_uids"]
@@ -150,6 +159,33 @@ def test_trainer_killed_alone_and_resumed_trains_every_prompt_once(ray_local, ti
     assert srv.queue_stats()["rolled_back"] > 0
     info = [ray.get(g["actor"].info.remote(), timeout=60) for g in srv.generators.values()]
     assert {i["version"] for i in info} == {final}
+    srv.shutdown(remove_queue=True)
+    ray.kill(trainer)
+    ray.util.remove_placement_group(pg)
+
+
+# ---- the queue actor killed at a seeded moment: Ray restarts it, server and trainer rejoin ---------
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_queue_actor_killed_is_restored_and_trains_every_prompt_once(ray_local, tiny_model, tmp_path, seed):
+    rng = random.Random(seed)
+    srv, pg, (trainer,) = _running(tiny_model, "q-queue-kill", seed)
+    run = trainer.run.remote(_loop, str(tmp_path / "ck"), 1000)
+    kill_at, deadline = rng.randint(4, 24), time.time() + 300
+    while srv.queue_stats()["delivered"] < kill_at and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(rng.uniform(0, 1.0))
+    before = srv.queue_stats()
+    ray.kill(srv.queue.handle, no_restart=False)   # SIGKILL; Ray restarts it with an empty hub
+    seen = ray.get(run, timeout=400)
+    srv.wait(timeout_s=120)
+    trained = [u for u, _ in seen]
+    assert sorted(trained) == list(range(N)) and set(Counter(trained).values()) == {1}, Counter(trained)
+    assert max(lag for _, lag in seen) <= 1                    # the staleness bound held across the restart
+    q = srv.queue_stats()
+    assert q["restarted"] and q["awaiting"] == [] and q["delivered"] == N and q["version"] > before["version"]
+    info = [ray.get(g["actor"].info.remote(), timeout=60) for g in srv.generators.values()]
+    assert {i["version"] for i in info} == {q["version"]}     # generators on the trainer's weights
     srv.shutdown(remove_queue=True)
     ray.kill(trainer)
     ray.util.remove_placement_group(pg)

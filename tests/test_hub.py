@@ -360,3 +360,42 @@ def test_exactly_once_exercises_every_path():
 def test_exactly_once_property(seed, n_prompts, n_workers, max_batches, max_lag, crashes):
     simulate(seed, n_prompts=n_prompts, n_workers=n_workers, max_batches=max_batches,
              step_batches=max_batches, max_lag=max_lag, crashes=crashes)
+
+
+# ---- a hub rebuilt after its actor died: held until the server and the live trainer rejoin -------
+
+def _rebuilt(trainer_first: bool):
+    """The queue had delivered 0-3 (the trainer pulled them), buffered 4 and leased 5 when it died."""
+    from minirl.hub import QueueRestarted
+    hub = RolloutHub(max_batches=4, restarted=True)
+    assert hub.take_prompts("a", 2) == [] and not hub.finished()          # nothing leased, not the end
+    with pytest.raises(QueueRestarted, match="restarted and lost its state: the trainer must rejoin"):
+        hub.take_batches(1)
+    server = lambda: hub.rejoin_server(prompts(range(8)), True, {"a": "handle-a"})   # noqa: E731
+    trainer = lambda: hub.rejoin_trainer([0, 1, 2, 3], 5, ["ref"], 1)               # noqa: E731
+    first, second = (trainer, server) if trainer_first else (server, trainer)
+    first()
+    assert hub.take_prompts("a", 2) == [] and hub.stats()["awaiting"] == ["server" if trainer_first else "trainer"]
+    second()
+    return hub
+
+
+@pytest.mark.parametrize("trainer_first", [True, False])
+def test_rebuilt_hub_after_rejoins_delivers_the_untrained_prompts_once(trainer_first):
+    hub = _rebuilt(trainer_first)
+    s = hub.stats()
+    assert s["awaiting"] == [] and s["restarted"] and s["version"] == 5 and s["max_staleness"] == 1
+    assert hub.weights() == (5, ["ref"]) and set(hub.workers()) == {"a"}
+    got = hub.take_prompts("a", 8, version=5)
+    assert uids(got) == [4, 5, 6, 7]                                     # trained ones never again
+    assert hub.put_batches("a", [batch(u, version=5) for u in (0, 4, 5, 6, 7)]) == 4   # 0: a late duplicate
+    assert uids(hub.take_batches(4)) == [4, 5, 6, 7] and hub.finished()
+    assert hub.take_batches(1, partial_at_end=True) == []
+
+
+def test_rebuilt_hub_drops_a_trained_batch_put_before_the_trainer_rejoins():
+    hub = RolloutHub(max_batches=4, restarted=True)
+    hub.rejoin_server(prompts(range(3)), True, {})
+    assert hub.put_batches("a", [batch(0), batch(2)]) == 2              # a generator's put in flight
+    hub.rejoin_trainer([0, 1], 3, None, None)
+    assert uids(hub.take_batches(1)) == [2] and hub.stats()["delivered"] == 3 and hub.finished()

@@ -5,7 +5,8 @@ Run: `pytest tests/test_queue_actor.py` (one private local Ray cluster for the m
 
 Covers backpressure (a producer actor blocks on a full queue until the trainer takes),
 get / put timeouts that name the queue, staleness set by typed calls, connect_queue failing fast on a wrong name,
-create_queue's get-or-create and its refusal of a conflicting config, batches surviving the
+create_queue's get-or-create and its refusal of a conflicting config, a run's queue refusing every
+call without its token (another job looking it up by name), batches surviving the
 death of the actor that produced them, and take_prompts waking on add / close.
 """
 
@@ -160,6 +161,27 @@ def test_create_queue_get_or_create_and_conflicts():
     with pytest.raises(LookupError):                          # namespaces are separate
         connect_queue(qn, namespace="other", timeout_s=0.3)
     ray.kill(q1)
+
+
+def test_queue_of_a_run_refuses_callers_without_its_token():
+    qn = name()
+    q = create_queue(qn, max_batches=2, token="run-a-secret")
+    get(q.add_prompts.remote([PromptItem(uid=0, prompt="p0")]))
+    raw = ray.get_actor(qn, namespace="minirl")              # what any job on the cluster can look up
+    for ref in (raw.put.remote("w", [batch(0)]), raw.take_prompts.remote("w", 1), raw.weights.remote(),
+                raw.set_version.remote(5, None), raw.get.remote(1, 0.1), raw.stats.remote()):
+        with pytest.raises(PermissionError, match=rf"rollout queue {qn} belongs to another run \(no token given\)"
+                                                  ": pass the token of the run that created it"):
+            get(ref)
+    with pytest.raises(PermissionError, match="a wrong token given"):
+        connect_queue(qn, token="run-b")
+    with pytest.raises(PermissionError, match=f"rollout queue {qn} belongs to another run"):
+        create_queue(qn, max_batches=2, token="run-b")       # a second run naming the same queue
+    s = get(q.stats.remote())
+    assert (s["pending"], s["leased"], s["buffered"], s["version"]) == (1, 0, 0, 0)   # nothing got in
+    mine = connect_queue(qn)                                  # this process created it: it knows the token
+    assert [it.uid for it in get(mine.take_prompts.remote("w", 1))] == [0]
+    ray.kill(q.handle)
 
 
 def test_batches_survive_producer_death():
