@@ -42,7 +42,7 @@ class TrainWorker:
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         placement.ray_init(namespace)
-        self.queue = connect_queue(queue_address, namespace=namespace, token=queue_token,   # see actors/tokens.py
+        self.queue = connect_queue(queue_address, namespace=namespace, token=queue_token,   # actors/tokens.py
                                    model_id=model_identity(check_model_path(model)))
         self.trainer = Trainer(model, replace(config or TrainerConfig(), **({} if lr is None else {"lr": lr})))
         self.rank, self.device, self.max_staleness = self.trainer.rank, self.trainer.device, max_staleness
@@ -60,9 +60,9 @@ class TrainWorker:
     def pull_rollouts(self, batch_size: int | None = None):
         """Yield this rank's share (split by tokens) of each `batch_size` x world RolloutBatches,
         until the queue is finished (the last pull may hold fewer). Tensors on this rank's device."""
-        n, world = batch_size or self.batch_size, self.rank.world_size
+        n, world, t = batch_size or self.batch_size, self.rank.world_size, self.pull_timeout
         while True:
-            got = self._pull(n * world) if self.rank.rank == 0 else None
+            got = self._q(self.queue.get, n * world, t, wait_s=t) if self.rank.rank == 0 else None
             if world > 1:
                 box = [got]
                 dist.broadcast_object_list(box, src=0)
@@ -74,15 +74,15 @@ class TrainWorker:
             mine = split_by_tokens(got, world)[self.rank.rank]
             yield [RolloutBatch([r.to(self.device) for r in b], uid=b.uid) for b in mine]
 
-    def _pull(self, n: int) -> list:
-        while True:
-            try:
-                return self._q(self.queue.get, n, self.pull_timeout, wait_s=self.pull_timeout)
-            except QueueRestarted:     # its actor restarted empty: rejoin with what this trainer holds
-                self._q(self.queue.rejoin_trainer, self.trained_uids, self.policy_version, self.pusher.refs, self.max_staleness)
-
-    def _q(self, method, *args, wait_s: float = 0.0):     # made again across a restart of the queue's actor
-        return placement.call(method, *args, timeout_s=wait_s + self.timeout, what="rollout queue")
+    def _q(self, method, *args, wait_s: float = 0.0):
+        """A queue call, made again across a restart of the queue's actor; if the restarted queue waits
+        for this trainer (QueueRestarted), it first rejoins with what it pulled, its version and weights."""
+        try:
+            return placement.call(method, *args, timeout_s=wait_s + self.timeout, what="rollout queue")
+        except QueueRestarted:
+            self._q(self.queue.rejoin_trainer, self.trained_uids, self.policy_version, self.pusher.refs,
+                    self.max_staleness)
+            return self._q(method, *args, wait_s=wait_s)
 
     def sync_weights(self) -> dict:
         """Publish the trainer's weights as a version and push them to every generator; with

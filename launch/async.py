@@ -1,8 +1,9 @@
 """Async GRPO: generators fill a named Ray queue while the trainer trains; weights flow back.
 
     python launch/async.py                              # tiny local model, CPU, local Ray: both roles
-    ray job submit --working-dir . -- python launch/async.py --role server   # two jobs that meet
-    ray job submit --working-dir . -- python launch/async.py --role trainer  # by the queue's name
+    ray job submit --working-dir . -- python launch/async.py --role server   # two jobs that meet by the
+    ray job submit --working-dir . -- python launch/async.py --role trainer  # queue's name; give both the
+                                        # same secret MINIRL_QUEUE_TOKEN (--runtime-env-json env_vars)
 
 The training block and the command line are launch/common.py's, shared by both loops: only
 where rollouts come from differs (`diff launch/colocated.py launch/async.py`). Default: a tiny

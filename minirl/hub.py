@@ -146,7 +146,13 @@ class RolloutHub:
         self.max_staleness = int(max_staleness)
 
     def set_trainer_done(self) -> None:
+        self._check_trainer_joined()
         self.trainer_done = True
+
+    def _check_trainer_joined(self) -> None:
+        if "trainer" in self.awaiting:
+            raise QueueRestarted(f"rollout queue {self.name} restarted and lost its state: the trainer must "
+                                 "rejoin_trainer (TrainWorker does) before it takes batches or finishes")
 
     def take_prompts(self, worker_id: str, k: int, version: int | None = None) -> list[PromptItem] | None:
         """Lease up to k pending prompts (oldest first, as copies) to `worker_id`; [] when none are
@@ -212,9 +218,7 @@ class RolloutHub:
         (recycled_stale). partial_at_end: once prompts are closed, none pending or leased, what's left."""
         if self.error is not None:
             raise RuntimeError(self.error)
-        if "trainer" in self.awaiting:
-            raise QueueRestarted(f"rollout queue {self.name} restarted and lost its state: the trainer must "
-                                 "rejoin_trainer (TrainWorker.pull_rollouts does) before it takes batches")
+        self._check_trainer_joined()
         if not 1 <= n <= self.max_batches:
             raise ValueError(f"take_batches(n={n}) on a hub with max_batches={self.max_batches}: n must be "
                              "in [1, max_batches] (make the queue at least as big as one training step)")

@@ -369,8 +369,9 @@ def _rebuilt(trainer_first: bool):
     from minirl.hub import QueueRestarted
     hub = RolloutHub(max_batches=4, restarted=True)
     assert hub.take_prompts("a", 2) == [] and not hub.finished()          # nothing leased, not the end
-    with pytest.raises(QueueRestarted, match="restarted and lost its state: the trainer must rejoin"):
-        hub.take_batches(1)
+    for call in (lambda: hub.take_batches(1), hub.set_trainer_done):   # the trainer must rejoin first
+        with pytest.raises(QueueRestarted, match="restarted and lost its state: the trainer must rejoin"):
+            call()
     server = lambda: hub.rejoin_server(prompts(range(8)), True, {"a": "handle-a"})   # noqa: E731
     trainer = lambda: hub.rejoin_trainer([0, 1, 2, 3], 5, ["ref"], 1)               # noqa: E731
     first, second = (trainer, server) if trainer_first else (server, trainer)

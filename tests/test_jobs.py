@@ -233,11 +233,13 @@ def test_colocated_job(head, tmp_path):
 
 
 def test_async_as_two_jobs(head, tmp_path):
-    """Generation and training as separate jobs, joined only by the queue's name."""
-    queue = f"q-jobs-{uuid.uuid4().hex[:8]}"
+    """Generation and training as separate jobs, joined only by the queue's name and the run's token."""
+    queue, token = f"q-jobs-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex   # token: the queue refuses other jobs
     common = f"--queue {queue} --steps 4 --prompts 8"
-    server = submit(head, f"python launch/async.py --role server {common} --run-dir {tmp_path / 's'}")
-    trainer = submit(head, f"python launch/async.py --role trainer {common} --run-dir {tmp_path / 't'} "
+    server = submit(head, f"MINIRL_QUEUE_TOKEN={token} python launch/async.py --role server {common} "
+                          f"--run-dir {tmp_path / 's'}")
+    trainer = submit(head, f"MINIRL_QUEUE_TOKEN={token} python launch/async.py --role trainer {common} "
+                           f"--run-dir {tmp_path / 't'} "
                            "--backends ''")
     t_status, t_logs = wait_job(head, trainer)
     s_status, s_logs = wait_job(head, server)
