@@ -6,7 +6,8 @@
 Each generator runs its own lease -> generate -> put loop (GenerationActor.run); the pool starts
 those loops, starts one again after its actor died and came back (the queue gets the dead one's
 leased prompts back at once), grows (add: a pending placement group asks the autoscaler for a
-node) and shrinks (remove: drains first). Every wait has a timeout. Hardware: CPU or GPUs.
+node) and shrinks (remove: drains first). After the queue's actor restarted, watch hands the ready
+generators to the server's rejoin. Every wait has a timeout. Hardware: CPU or GPUs.
 """
 
 from __future__ import annotations
