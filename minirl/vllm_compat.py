@@ -54,7 +54,7 @@ class ManagedLLM(LLM):
 def engine_kwargs(user: dict, *, sleep: bool, seed: int, colocated: bool = True) -> dict:
     """The user's LLM kwargs over in-process defaults: the seed; processed log-probs (they include
     temperature, as get_logprobs(..., temperature=T)); co-located, external_launcher (else an error);
-    on CUDA sleep mode when asked and CUDA graphs without torch.compile (seconds to start;
+    on CUDA sleep mode when asked and decode CUDA graphs without torch.compile (seconds to start;
     enforce_eager or your compilation_config overrides it); on CPU eager and a small KV cache."""
     kw = {"logprobs_mode": "processed_logprobs", "seed": seed, **user}
     if colocated:
@@ -73,10 +73,7 @@ def engine_kwargs(user: dict, *, sleep: bool, seed: int, colocated: bool = True)
     if sleep:
         kw.setdefault("enable_sleep_mode", True)
     if not kw.get("enforce_eager") and "compilation_config" not in kw:
-        # Hopper runs FlashAttention 3, whose full graphs also cover mixed prefill + decode steps
-        # (a multi-turn episode's next turn enters beside running decodes); elsewhere decode only.
-        mode = "FULL" if torch.cuda.get_device_capability()[0] == 9 else "FULL_DECODE_ONLY"
-        kw["compilation_config"] = {"mode": 0, "cudagraph_mode": mode}
+        kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     return kw
 
 
