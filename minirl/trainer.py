@@ -25,6 +25,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,7 @@ class TrainerConfig:
     sharded like the trainer."""
     reference_offload: bool = False
     """Keep the reference policy's shards on the host (CPUOffloadPolicy) between its forwards."""
-    compile: bool | str | None = None
+    compile: bool | str | Callable | None = None
     """torch.compile each decoder layer (dynamic shapes: one compile for every packed length); it
     fuses the elementwise work (norms, rotary, SwiGLU, casts) that dominates a small model's step.
     None: on CUDA (inductor), off on CPU; True: inductor; a str: that backend; False: eager."""
@@ -418,8 +419,9 @@ class Trainer:
             fp = fp + bucket_fingerprint(bucket)
 
         ids = torch.tensor([probe_ids], device=self.device)
-        was = self.model.training          # the probe runs without dropout
-        logits = gather_during_forward(self.model, lambda: self.model.eval()(ids).logits, both, dtype=dtype)
+        was = self.model.training          # the probe runs without dropout, and eagerly: compiled
+        with torch.compiler.set_stance("force_eager"):    # layers would compile a second graph for it
+            logits = gather_during_forward(self.model, lambda: self.model.eval()(ids).logits, both, dtype=dtype)
         self.model.train(was)
         return fp.cpu(), get_logprobs(logits, ids)[0].cpu()
 

@@ -129,9 +129,11 @@ def test_a_step_with_every_token_masked_trains_nothing(trainer):
 def test_compiled_layers_give_the_eager_gradients(tiny_model, trainer):
     """TrainerConfig.compile wraps each decoder layer in torch.compile (on CUDA by default; here
     the aot_eager backend traces the same graphs without generating kernels)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
     from minirl.trainer import Trainer, TrainerConfig
     rs = _rollouts(4)
-    compiled = Trainer(tiny_model, TrainerConfig(seed=0, compile="aot_eager"))
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = Trainer(tiny_model, TrainerConfig(seed=0, compile=counter))
     grads = []
     for tr in (trainer, compiled):
         tr.optimizer.zero_grad(set_to_none=True)
@@ -142,6 +144,10 @@ def test_compiled_layers_give_the_eager_gradients(tiny_model, trainer):
                for layer in compiled.model.model.layers)
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-4, atol=1e-6)
+    frames = counter.frame_count
+    assert frames > 0
+    compiled.gather(lambda bucket: None, dtype=torch.float32, probe_ids=[3, 4, 5])   # the sync's probe
+    assert counter.frame_count == frames            # runs eagerly: no second graph to compile
 
 
 TWO_RANKS = """
