@@ -21,7 +21,7 @@ import uuid
 import ray
 
 from actors import placement
-from minirl.weights import bucket_layout, check_sync, probe_gap
+from minirl.weights import check_sync, probe_gap
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 0123456789 = 3+4"
 
@@ -107,8 +107,7 @@ class WeightPusher:
             placement.get(joins, self.timeout, "generators joining the broadcast group")
             self._members = members
         t["group_s"] = time.perf_counter() - t0
-        metas = [BucketMeta.of_layout(layout) for layout in
-                 bucket_layout(self.trainer.model, dtype=self.trainer.compute_dtype)]
+        metas = [BucketMeta.of_layout(layout) for layout in self.trainer.bucket_layout(self.trainer.compute_dtype)]
         acks = {w: gens[w].recv_broadcast.remote(version, metas, self.probe) for w in members}
         order = iter(metas)
 

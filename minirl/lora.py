@@ -70,6 +70,13 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig) -> torch.nn.Module:
     return model
 
 
+def base_name(name: str) -> str | None:
+    """A PEFT parameter's name in the base model (None for the adapters themselves)."""
+    if ".lora_A." in name or ".lora_B." in name:
+        return None
+    return name.replace(".base_layer.", ".")
+
+
 def merge_bucket(bucket: list[tuple[str, torch.Tensor]], scale: float) -> list[tuple[str, torch.Tensor]]:
     """A gathered bucket in the base model's names: every `X.base_layer.weight` with its
     `X.lora_A.default.weight` (r, in) and `X.lora_B.default.weight` (out, r) becomes `X.weight` =
@@ -77,16 +84,13 @@ def merge_bucket(bucket: list[tuple[str, torch.Tensor]], scale: float) -> list[t
     named = dict(bucket)
     out = []
     for name, t in bucket:
-        if ".lora_A." in name or ".lora_B." in name:
+        if base_name(name) is None:
             continue
         if name.endswith(".base_layer.weight"):
             mod = name.removesuffix(".base_layer.weight")
             a, b = named[f"{mod}.lora_A.default.weight"], named[f"{mod}.lora_B.default.weight"]
             t = (t.float() + scale * (b.float() @ a.float())).to(t.dtype)       # (out, in)
-            name = f"{mod}.weight"
-        elif ".base_layer." in name:
-            name = name.replace(".base_layer.", ".")
-        out.append((name, t))
+        out.append((base_name(name), t))
     return out
 
 

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from minirl.core import token_logprobs
 from minirl.data import pack, split_by_tokens
 from minirl.distributed import init_distributed, pick_device
-from minirl.lora import LoRAConfig, adapters_off, apply_lora, merge_bucket
-from minirl.weights import bucket_fingerprint, full_weight_buckets, gather_during_forward, reshard
+from minirl.lora import LoRAConfig, adapters_off, apply_lora, base_name, merge_bucket
+from minirl.weights import bucket_fingerprint, bucket_layout, full_weight_buckets, gather_during_forward, reshard
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -398,6 +398,14 @@ class Trainer:
             self.policy_version += 1
             self.stepped = False
         return self.policy_version
+
+    def bucket_layout(self, dtype: torch.dtype) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+        """The (name, full shape, dtype) of every bucket gather() hands out, in order, gathering
+        nothing (for receivers of a broadcast): with LoRA, the merged weights' base names."""
+        layout = bucket_layout(self.model, dtype=dtype)
+        if self.config.lora is None:
+            return layout
+        return [[(base_name(n), shape, d) for n, shape, d in b if base_name(n)] for b in layout]
 
     def gather(self, on_bucket, *, dtype: torch.dtype, probe_ids: list[int] | None = None):
         """Hand every full weight to on_bucket([(hf_name, tensor)]), one FSDP unit at a time

@@ -135,6 +135,11 @@ def test_lora_trains_adapters_only_and_syncs_merged_weights(lora_wm, monkeypatch
     monkeypatch.undo()
     wm.mark_dirty()
     wm.as_vllm()                                       # the real merge again: it passes
+    # What a broadcast announces to receivers is what gather hands out: merged, base names.
+    sent = []
+    wm.trainer.gather(lambda b: sent.append([(n, tuple(t.shape), t.dtype) for n, t in b]), dtype=torch.bfloat16)
+    assert wm.trainer.bucket_layout(torch.bfloat16) == sent
+    assert not any("lora_" in n or "base_layer" in n for b in sent for n, _, _ in b)
 
 
 def test_lora_checkpoint_holds_adapters_resumes_exactly_and_exports_merged(lora_wm, tmp_path):
