@@ -77,6 +77,8 @@ class GeneratorPool:
         generators {worker_id: actor}) is called when the queue's actor restarted and awaits the server."""
         deadline = None if timeout_s is None else time.time() + timeout_s
         while True:
+            if not ray.is_initialized():          # the driver shut Ray down: never auto-start another
+                raise RuntimeError("rollout server: Ray was shut down while the pool ran")
             q = placement.call(self.queue.stats, timeout_s=self.timeout, what="rollout queue")
             if "server" in q["awaiting"] and rejoin is not None:
                 rejoin({w: g["actor"] for w, g in self.generators.items() if g["ready"]})

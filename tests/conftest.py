@@ -41,6 +41,18 @@ def run_py(args, *, timeout=600, env=None, cwd=ROOT):
                           timeout=timeout)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_ray_left_behind():
+    """No module leaves Ray running, and nothing in this process starts a Ray instance implicitly
+    (a background thread's call after a module's ray.shutdown() would otherwise auto-start one)."""
+    import ray._private.auto_init_hook as hook
+    hook.enable_auto_connect = False
+    yield
+    import ray
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     """A private local Ray cluster for one test module (never joins another cluster)."""
