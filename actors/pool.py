@@ -30,6 +30,7 @@ class GeneratorPool:
         self.per_call, self.timeout, self.ready_timeout = prompts_per_call, call_timeout_s, ready_timeout_s
         self.generators: dict[str, dict] = {}   # worker_id -> {"actor", "pg", "ready", "run", ...}
         self.stats = {"prompts": 0, "tokens": 0, "failures": 0, "stale_waits": 0}
+        self.stopped = False                    # stop(): watch() returns
 
     def add(self, resources: dict | None = None, *, wait: bool = True) -> str:
         """One more replica in its own placement group (pending until the cluster can place it);
@@ -72,11 +73,17 @@ class GeneratorPool:
         del self.generators[wid]
         return wid
 
+    def stop(self, thread) -> None:
+        """End watch() (running in `thread`, if any) and wait for it."""
+        self.stopped = True
+        if thread is not None:
+            thread.join(self.timeout)
+
     def watch(self, timeout_s: float | None = None, rejoin=None) -> None:
         """Keep every ready generator's loop running until the queue is finished; rejoin(ready
         generators {worker_id: actor}) is called when the queue's actor restarted and awaits the server."""
         deadline = None if timeout_s is None else time.time() + timeout_s
-        while True:
+        while not self.stopped:
             if not ray.is_initialized():          # the driver shut Ray down: never auto-start another
                 raise RuntimeError("rollout server: Ray was shut down while the pool ran")
             q = placement.call(self.queue.stats, timeout_s=self.timeout, what="rollout queue")

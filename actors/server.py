@@ -10,8 +10,7 @@ Bad settings are refused before any engine starts. A failed request is never ret
 on_failure="stop" (default) ends the run with its cause (the trainer's pull and wait() raise it),
 "skip" records it (failures()). The pool grows and shrinks at run time (add_generator,
 remove_generator). If the queue's actor dies, Ray restarts it, the server sends its prompts and
-generators again, the trainer what it trained: each prompt still trains once. Hardware: CPU or GPUs.
-"""
+generators again, the trainer what it trained: each prompt trains once. Hardware: CPU or GPUs."""
 
 from __future__ import annotations
 
@@ -140,6 +139,7 @@ class RolloutServer:
         return placement.call(method, *args, timeout_s=self.timeout, what="rollout queue", **kwargs)
 
     def shutdown(self, *, remove_queue: bool = False) -> None:
+        self.pool.stop(self._thread)          # the pool's loop ends first: no Ray call outlives us
         for g in self.generators.values():
             ray.kill(g["actor"], no_restart=True)
             placement.remove(g["pg"])
