@@ -89,12 +89,15 @@ def main(argv=None):
     p.add_argument("--latency-ms", type=float, nargs=2, default=[0.0, 500.0], metavar=("LO", "HI"))
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--compilation-config", type=json.loads, default=None, metavar="JSON",
+                   help="vLLM's compilation_config (default: minirl's engine default); '{}': vLLM's own")
+    p.add_argument("--admit-wait-steps", type=int, default=None, help="EpisodeConfig.admit_wait_steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/episodes.json")
     args = p.parse_args(argv)
     from models import build_random_model
     from minirl import vllm_compat as vc
-    from minirl.episodes import EpisodeRunner
+    from minirl.episodes import EpisodeConfig, EpisodeRunner
 
     with tempfile.TemporaryDirectory() as tmp:
         path = build_random_model(Path(tmp) / args.shape, args.shape, device=None if vc.ON_CPU else "cuda")
@@ -102,11 +105,13 @@ def main(argv=None):
             import torch
             torch.cuda.empty_cache()                  # the engine plans its memory from what is free
         max_len = args.prompt_tokens + args.turns * (args.turn_tokens[1] + args.env_tokens) + 8
-        user = {"max_model_len": max_len, "max_num_seqs": args.episodes, **({"enforce_eager": True} if args.eager else {})}
+        user = {"max_model_len": max_len, "max_num_seqs": args.episodes, **({"enforce_eager": True} if args.eager else {}),
+                **({} if args.compilation_config is None else {"compilation_config": args.compilation_config})}
         t0 = time.perf_counter()
         llm = vc.build_llm(str(path), **vc.engine_kwargs(user, sleep=False, seed=args.seed, colocated=False))
         start_s = time.perf_counter() - t0
-        runner = EpisodeRunner(llm)
+        runner = EpisodeRunner(llm, config=EpisodeConfig() if args.admit_wait_steps is None
+                               else EpisodeConfig(admit_wait_steps=args.admit_wait_steps))
         rng = random.Random(args.seed + 1)
         prompts = [[rng.randrange(2, 60) for _ in range(args.prompt_tokens)] for _ in range(args.episodes)]
         warm = plan(args, args.seed + 99)
@@ -116,7 +121,8 @@ def main(argv=None):
         single = single_turn(runner, work, prompts)
         raw = raw_generate(llm, work, prompts)
         vc.shutdown(llm)
-    doc = {"config": vars(args), "engine_start_s": round(start_s, 1), "episodes": multi, "single_turn": single,
+    doc = {"config": vars(args), "engine_start_s": round(start_s, 1), "engine_steps": runner.stats["steps"],
+           "admit_wait_steps": runner.config.admit_wait_steps, "episodes": multi, "single_turn": single,
            "raw_llm_generate": raw, "ratio": round(multi["tokens_per_s"] / single["tokens_per_s"], 3),
            "path_vs_raw": round(single["tokens_per_s"] / raw["tokens_per_s"], 3), "versions": versions()}
     print(json.dumps(doc, indent=1))

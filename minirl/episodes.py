@@ -65,6 +65,10 @@ class EpisodeConfig:
     """Reward of an episode ended by max_turns / max_model_len (unless its on_limit returns one)."""
     max_concurrent: int | None = None
     """Episodes in flight at once (None: all); the engine's max_num_seqs bounds what runs."""
+    admit_wait_steps: int = 0
+    """Engine steps a new turn's request may wait so that others enter with it (0: it enters at the
+    next step). Steps that prefill beside running decodes cannot replay decode-only CUDA graphs;
+    fewer of them can cost less than the wait. Requests enter at once when nothing else runs."""
 
 
 class ToolTimeout(TimeoutError):
@@ -221,9 +225,12 @@ class EpisodeRunner:
         self.tokenizer = tokenizer or llm.get_tokenizer()   # its chat template renders messages
         self.max_model_len = vc.max_model_len(llm)
         self.policy_version = 0        # set by the owner when it loads weights (between steps)
-        self.stats = {"steps": 0, "requests": 0, "episodes": 0, "errors": 0, "limits": 0}
+        self.stats = {"steps": 0, "requests": 0, "admissions": 0, "episodes": 0, "errors": 0, "limits": 0}
         self._ids = count()
         self._futures: dict[str, asyncio.Future] = {}
+        self._held: dict[str, tuple] = {}          # requests waiting to enter (admit_wait_steps)
+        self._held_steps = 0
+        self._running: set[str] = set()            # requests in the engine
         self._work: asyncio.Event | None = None
         self.between_steps: Callable[[], None] | None = None   # e.g. an in-flight weight load
 
@@ -244,17 +251,36 @@ class EpisodeRunner:
         rid = str(next(self._ids))
         fut = asyncio.get_running_loop().create_future()
         self._futures[rid] = fut
-        self.vc.add_request(self.llm, rid, list(token_ids), self.vc.request_params(**sampling))
+        self._held[rid] = (list(token_ids), self.vc.request_params(**sampling))
         self.stats["requests"] += 1
         self._work.set()
         try:
             return await fut
         finally:
             if self._futures.pop(rid, None) is not None:     # cancelled (episode timeout): free the engine
-                self.vc.abort_requests(self.llm, [rid])
+                if self._held.pop(rid, None) is None:
+                    self.vc.abort_requests(self.llm, [rid])
+                    self._running.discard(rid)
+
+    def _admit(self) -> None:
+        """Held requests enter the engine: all at once, after admit_wait_steps or when nothing runs."""
+        if not self._held:
+            return
+        if self._running and self._held_steps < self.config.admit_wait_steps:
+            self._held_steps += 1
+            return
+        for rid, (ids, params) in self._held.items():
+            self.vc.add_request(self.llm, rid, ids, params)
+        self._running.update(self._held)
+        self.stats["admissions"] += 1
+        self._held.clear()
+        self._held_steps = 0
 
     def _step(self) -> None:
+        self._admit()
         for out in self.vc.engine_step(self.llm):
+            if out.finished:
+                self._running.discard(out.request_id)
             fut = self._futures.pop(out.request_id, None) if out.finished else None
             if fut is not None and not fut.done():
                 c = out.outputs[0]
@@ -305,8 +331,10 @@ class EpisodeRunner:
             for t in tasks:
                 t.cancel()
             if self._futures:                          # a failed run leaves nothing in the engine
-                self.vc.abort_requests(self.llm, list(self._futures))
+                self.vc.abort_requests(self.llm, [r for r in self._futures if r not in self._held])
                 self._futures.clear()
+            self._held.clear()
+            self._running.clear()
 
     async def _one(self, episode: EpisodeFn, ep: Episode, limit: asyncio.Semaphore, device: str) -> Rollout:
         async with limit:

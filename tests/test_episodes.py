@@ -221,3 +221,25 @@ def test_tool_environment_learns_and_noise_does_not(tmp_path):
         means[env] = [sum(r["reward/mean"] for r in rows[i:i + 5]) / 5 for i in (0, len(rows) - 5)]
     assert means["lookup"][1] > 0.25 and means["lookup"][1] > means["lookup"][0] + 0.2, means
     assert means["lookup-noise"][1] < 0.2 and means["lookup"][1] > 1.5 * means["lookup-noise"][1], means
+
+
+def test_admission_wait_groups_new_turns_and_keeps_tokens(wm):
+    """admit_wait_steps: new turns wait (at most N steps) to enter the engine together, so fewer steps
+    admit requests; what each seeded turn samples does not change, and a lone turn never waits."""
+    async def episode(ep):
+        for k in range(3):
+            await ep.generate(max_tokens=2 + (ep.index + k) % 3, ignore_eos=True)
+            ep.append([4])
+        return 0.0
+
+    def run(wait):
+        runner = EpisodeRunner(wm.as_vllm(), config=EpisodeConfig(admit_wait_steps=wait))
+        batches = runner.run(episode, ["1+1=", "2+1=", "3+1=", "4+1="], group_size=2, seed=3)
+        return [r.completion_ids for b in batches for r in b], runner.stats
+
+    eager, grouped = run(0), run(4)
+    assert grouped[0] == eager[0]                        # the same tokens, turn by turn
+    assert grouped[1]["requests"] == eager[1]["requests"] == 24
+    assert grouped[1]["admissions"] < eager[1]["admissions"]
+    lone = EpisodeRunner(wm.as_vllm(), config=EpisodeConfig(admit_wait_steps=1000))
+    assert lone.run(episode, ["1+1="], seed=3)[0][0].completion_ids == eager[0][0]   # nothing runs: enters at once
