@@ -45,6 +45,12 @@ for stage in "$@"; do
       head -40 "$out/profile_${shape}_${tokens}"/*.txt ;;
     episodes)   # 256 concurrent 3-turn episodes with 0-500 ms tool waits vs single-turn, Qwen3-0.6B shape
       timeout 420 python benchmarks/episodes.py --out "$out/episodes_h200_qwen3-0.6b.json" 2>&1 | grep -v "^\[" | tail -8 ;;
+    episodes-vllm)   # the same with vLLM's own compilation (torch.compile, FULL_AND_PIECEWISE graphs)
+      timeout 420 python benchmarks/episodes.py --compilation-config '{}' \
+        --out "$out/episodes_h200_qwen3-0.6b_vllm.json" 2>&1 | grep -v "^\[" | tail -8 ;;
+    episodes-admit*)   # minirl's engine default, new turns admitted together every N steps: episodes-admitN
+      timeout 420 python benchmarks/episodes.py --admit-wait-steps "${stage#episodes-admit}" \
+        --out "$out/episodes_h200_qwen3-0.6b_${stage#episodes-}.json" 2>&1 | grep -v "^\[" | tail -8 ;;
     gsm8k)   # the GSM8K recipe at the Qwen3-0.6B shape: 1,024-token completions, evaluation included
       timeout 420 python benchmarks/gsm8k_recipe.py --steps "${GSM8K_STEPS:-4}" \
         --out "$out/gsm8k_recipe_h200_qwen3-0.6b.json" 2>&1 | grep -v "^\[" | tail -8 ;;
