@@ -230,3 +230,12 @@ def abort_requests(llm: LLM, request_ids: list[str]) -> None:
 
 def max_model_len(llm: LLM) -> int:
     return int(llm.llm_engine.model_config.max_model_len)
+
+
+def lora_request(path: str, adapter_id: int):
+    """A request (`generate(..., lora_request=)`) for the PEFT adapter saved at `path` with
+    save_pretrained, on an engine built with enable_lora=True. An unseen adapter_id (>= 1) makes the
+    engine load the adapter from disk; the same id reuses the one it holds. (vllm.lora.request in
+    0.22 and 0.32, the same three arguments.)"""
+    from vllm.lora.request import LoRARequest
+    return LoRARequest(lora_name=f"adapter-{adapter_id}", lora_int_id=adapter_id, lora_path=str(path))
