@@ -10,8 +10,9 @@ adapter on minirl.lora's default target modules (rank 16, alpha 32) whose B matr
 that the adapter changes the model; saved with save_pretrained as version 1, and as version 2 (other
 random B) for the sync; and the base merged with version 1 by minirl.lora.merge_bucket (W + alpha/r BA).
 Each side runs in a fresh process of its own (one engine on the device at a time, shut down after):
-- merged: an engine on the merged weights. Its sync loads version 2 merged as minirl syncs: each
-  layer's PEFT weights through merge_bucket into vllm_compat.weight_update, then reset_prefix_cache.
+- merged (first; its process writes the models and keeps version 2 as the trainer's weights): an
+  engine on the merged weights. Its sync loads version 2 merged as minirl syncs: each layer's PEFT
+  weights through merge_bucket into vllm_compat.weight_update, then reset_prefix_cache.
 - adapter: an engine with enable_lora (max_loras=1) on the base weights, generating under a
   LoRARequest for version 1. Its sync saves version 2 (save_pretrained into a new directory) and
   serves it under a new adapter id; the engine loads it with the first request after: timed as a
@@ -19,7 +20,7 @@ Each side runs in a fresh process of its own (one engine on the device at a time
 Workload: P prompts of --prompt-tokens random tokens x n samples of T forced tokens each (ignore_eos,
 temperature 1, the sampled tokens' log-probs as GRPO asks for them); one warm-up run, then --reps
 timed runs (median). Checks, on the top-20 next-token log-probs after fixed probe sequences: the
-adapter moves the base model's; the merged and adapter engines agree on version 1 and again after each side's sync.
+adapter moves the base model's; merged and adapter engines agree on version 1, and after each sync.
 Reported: tokens/s of each side, the decode ratio adapter/merged, each side's sync seconds, and a GRPO
 step's generation + sync (64 prompts x 8 samples x 256 tokens) at the measured speeds. Writes --out
 (JSON) and a markdown table beside it. Hardware: one GPU (a few minutes), or CPU (--shape tiny).
@@ -50,11 +51,12 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM accepts for max_lora_rank (0.22 and 0.32)."""
 
 
-# -- set-up (driver process) --------------------------------------------------------------------
+# -- set-up (in the merged side's process, which keeps version 2 as its trainer) ------------------
 
-def prepare(args, work: Path) -> None:
+def prepare(args, work: Path):
     """work/base (the random model), adapter_v1/ and adapter_v2/ (PEFT save_pretrained) and
-    merged_v1/ (base + version 1, merged by minirl.lora.merge_bucket)."""
+    merged_v1/ (base + version 1, merged by minirl.lora.merge_bucket); returns the PEFT model at
+    version 2, on the device."""
     import torch
     from models import build_random_model
     from peft import LoraConfig, get_peft_model
@@ -70,10 +72,7 @@ def prepare(args, work: Path) -> None:
         model.save_pretrained(work / f"adapter_v{version}")
         if version == 1:
             save_merged(model, base, work / "merged_v1", scale=args.alpha / args.rank)
-    del model
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()             # the sides measure the device: give it back
+    return model
 
 
 def randomize_b(model, *, std: float, seed: int) -> None:
@@ -117,17 +116,19 @@ def run_side(args, work: Path) -> dict:
     from transformers import AutoModelForCausalLM
     from episodes import versions
     from minirl import vllm_compat as vc
-    from minirl.lora import merge_bucket
     merged, cuda = args.side == "merged", not vc.ON_CPU
 
-    def since(t0: float) -> float:
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    # The trainer's copy of version 2, loaded first: the engine plans its memory around it.
-    hf = AutoModelForCausalLM.from_pretrained(work / "base", dtype=getattr(torch, args.dtype))
-    trainer = PeftModel.from_pretrained(hf.to("cuda" if cuda else "cpu"), work / "adapter_v2")
+    # The trainer's copy of version 2, made first: the engine plans its memory around it.
+    t0 = time.perf_counter()
+    if merged:
+        trainer = prepare(args, work)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(work / "base", dtype=getattr(torch, args.dtype))
+        trainer = PeftModel.from_pretrained(hf.to("cuda" if cuda else "cpu"), work / "adapter_v2")
+    prepare_s = time.perf_counter() - t0
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()                    # the engine plans its memory from what is free
     w = workload(args)
     user = {"max_model_len": args.prompt_tokens + w["max_tokens"] + 8, "max_num_seqs": w["prompts"] * w["n"],
             **({"enforce_eager": True} if args.eager else {})}
@@ -136,7 +137,8 @@ def run_side(args, work: Path) -> dict:
     t0 = time.perf_counter()
     llm = vc.build_llm(str(work / ("merged_v1" if merged else "base")),
                        **vc.engine_kwargs(user, sleep=False, seed=args.seed, colocated=False))
-    res = {"engine_start_s": round(time.perf_counter() - t0, 1), "engine_kwargs": user, "versions": versions()}
+    res = {"prepare_s": round(prepare_s, 1), "engine_start_s": round(time.perf_counter() - t0, 1),
+           "engine_kwargs": user, "versions": versions()}
     rng = random.Random(args.seed + 10)
     prompts = [[rng.randrange(2, 60) for _ in range(args.prompt_tokens)] for _ in range(w["prompts"])]
     probe_seqs = [[rng.randrange(2, 60) for _ in range(32)] for _ in range(8)]
@@ -151,33 +153,54 @@ def run_side(args, work: Path) -> dict:
     res.update(runs=runs, tokens=runs[0]["tokens"], wall_s=round(wall, 3),
                tokens_per_s=round(runs[0]["tokens"] / wall, 1))
 
-    syncs, scale, expected = [], args.alpha / args.rank, vc.expected_weight_names(llm)
+    syncs = []
     for k in range(args.reps):
-        t0 = time.perf_counter()
-        if merged:                         # minirl's sync: gathered bucket -> merge -> the engine
-            with vc.weight_update(llm) as load:
-                for bucket in layer_buckets(trainer):
-                    load(merge_bucket(bucket, scale))
-            llm.reset_prefix_cache()
-            syncs.append({"sync_s": round(since(t0), 4)})
-            if missing := expected - load.loaded:
-                raise RuntimeError(f"the sync left {len(missing)} parameters unloaded, e.g. {sorted(missing)[:3]}")
-        else:                              # a new adapter version on disk, served under a new id
-            trainer.save_pretrained(work / f"adapter_v2_sync{k}")
-            save_s = since(t0)
-            lora = vc.lora_request(work / f"adapter_v2_sync{k}", k + 2)
-            t1 = time.perf_counter()
-            probe(llm, lora, probe_seqs)                           # loads the adapter, then runs
-            first = since(t1)
-            t2 = time.perf_counter()
-            probe(llm, lora, probe_seqs)                           # the same, adapter in place
-            load_s = first - since(t2)
-            syncs.append({"sync_s": round(save_s + load_s, 4), "save_s": round(save_s, 4),
-                          "load_s": round(load_s, 4)})
+        if merged:
+            syncs.append(sync_merged(llm, trainer, scale=args.alpha / args.rank))
+        else:
+            lora = vc.lora_request(work / f"adapter_v2_sync{k}", k + 2)   # a new version: a new id
+            syncs.append(sync_adapter(llm, trainer, lora, probe_seqs))
     probes["v2"] = probe(llm, lora, probe_seqs)
     vc.shutdown(llm)
     res.update(syncs=syncs, sync_s=round(statistics.median(s["sync_s"] for s in syncs), 4), probes=probes)
     return res
+
+
+def since(t0: float) -> float:
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def sync_merged(llm, trainer, *, scale: float) -> dict:
+    """minirl's sync: each layer's PEFT weights (as gathered) -> merge_bucket -> the engine."""
+    from minirl import vllm_compat as vc
+    from minirl.lora import merge_bucket
+    t0 = time.perf_counter()
+    with vc.weight_update(llm) as load:
+        for bucket in layer_buckets(trainer):
+            load(merge_bucket(bucket, scale))
+    llm.reset_prefix_cache()
+    sync_s = since(t0)
+    if missing := vc.expected_weight_names(llm) - load.loaded:
+        raise RuntimeError(f"the sync left {len(missing)} parameters unloaded, e.g. {sorted(missing)[:3]}")
+    return {"sync_s": round(sync_s, 4)}
+
+
+def sync_adapter(llm, trainer, lora, probe_seqs) -> dict:
+    """The adapter saved where `lora` points, then the engine's load of it on the first request
+    under it (that request's time minus the same request's again, the adapter in place)."""
+    t0 = time.perf_counter()
+    trainer.save_pretrained(lora.lora_path)
+    save_s = since(t0)
+    t1 = time.perf_counter()
+    probe(llm, lora, probe_seqs)
+    first = since(t1)
+    t2 = time.perf_counter()
+    probe(llm, lora, probe_seqs)
+    load_s = first - since(t2)
+    return {"sync_s": round(save_s + load_s, 4), "save_s": round(save_s, 4), "load_s": round(load_s, 4)}
 
 
 def workload(args) -> dict:
@@ -228,10 +251,11 @@ def summarize(doc: dict) -> None:
     }
     doc["decode_ratio"] = round(b["tokens_per_s"] / a["tokens_per_s"], 3)
     tokens = STEP["prompts"] * STEP["n"] * STEP["max_tokens"]
-    doc["step_estimate"] = {
-        side: {"generate_s": round(tokens / r["tokens_per_s"], 3), "sync_s": r["sync_s"],
-               "total_s": round(tokens / r["tokens_per_s"] + r["sync_s"], 3)} for side, r in (("merged", a), ("adapter", b))}
-    doc["step_ratio"] = round(doc["step_estimate"]["adapter"]["total_s"] / doc["step_estimate"]["merged"]["total_s"], 3)
+    est = doc["step_estimate"] = {}
+    for side, r in (("merged", a), ("adapter", b)):
+        gen = tokens / r["tokens_per_s"]
+        est[side] = {"generate_s": round(gen, 3), "sync_s": r["sync_s"], "total_s": round(gen + r["sync_s"], 3)}
+    doc["step_ratio"] = round(est["adapter"]["total_s"] / est["merged"]["total_s"], 3)
 
 
 def markdown(doc: dict) -> str:
@@ -239,15 +263,17 @@ def markdown(doc: dict) -> str:
     lines = [f"# LoRA served as merged weights vs as an adapter: {c['shape']}, rank {c['rank']}",
              "", f"`python benchmarks/lora_serving.py {' '.join(doc['argv'])}` on {doc.get('versions')}", ""]
     if "step_estimate" not in doc:
-        return "\n".join(lines + [f"- {s}: {doc[s].get('error', 'ok')[-1500:]}" for s in ("merged", "adapter")] + [""])
+        return "\n".join(lines + [f"- {s}: {doc[s].get('error', 'ok')[-1500:]}" for s in ("merged", "adapter")])
     est = doc["step_estimate"]
     lines += [f"Workload: {w['prompts']} prompts x {w['n']} samples x {w['max_tokens']} forced tokens, "
               f"median of {c['reps']}. GRPO step: {STEP['prompts']} x {STEP['n']} x {STEP['max_tokens']} "
               "tokens at the measured speed + one sync (training time, the same for both, left out).", "",
-              "| side | tokens/s | generate s | sync s | GRPO step: generate + sync s |", "|---|---:|---:|---:|---:|"]
+              "| side | tokens/s | generate s | sync s | GRPO step: generate + sync s |",
+              "|---|---:|---:|---:|---:|"]
     for side, name in (("merged", "merged weights (minirl default)"), ("adapter", "adapter (vLLM LoRA)")):
         r = doc[side]
-        lines.append(f"| {name} | {r['tokens_per_s']} | {r['wall_s']} | {r['sync_s']} | {est[side]['total_s']} |")
+        lines.append(f"| {name} | {r['tokens_per_s']} | {r['wall_s']} | {r['sync_s']} | "
+                     f"{est[side]['total_s']} |")
     sb = doc["adapter"]["syncs"][-1]
     lines += ["", f"Decode ratio adapter / merged: **{doc['decode_ratio']}x**; GRPO step adapter / merged: "
               f"**{doc['step_ratio']}x**.",
@@ -257,23 +283,35 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def run_process(cmd: list[str], timeout: float) -> dict:
+    """The RESULT a side's process prints, or {"error": why not}."""
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"the side's process ran past --timeout {timeout:g} s and was stopped"}
+    line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
+    return json.loads(line[7:]) if line else {"error": res.stdout[-2000:] + res.stderr[-6000:]}
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="qwen3-0.6b", help="benchmarks/models.py shape (qwen3-0.6b, qwen3-4b, ...), or tiny")
+    p.add_argument("--shape", default="qwen3-0.6b", help="benchmarks/models.py shape (qwen3-4b, ...) or tiny")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--alpha", type=float, default=32.0)
     p.add_argument("--b-std", type=float, default=0.05, help="std of the adapters' random B matrices")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--prompts", type=int, default=None, help=f"default {STEP['prompts']} (tiny: {SMOKE['prompts']})")
-    p.add_argument("--n", type=int, default=None, help=f"samples per prompt, default {STEP['n']} (tiny: {SMOKE['n']})")
+    p.add_argument("--prompts", type=int, default=None,
+                   help=f"default {STEP['prompts']} (tiny: {SMOKE['prompts']})")
+    p.add_argument("--n", type=int, default=None,
+                   help=f"samples per prompt, default {STEP['n']} (tiny: {SMOKE['n']})")
     p.add_argument("--max-tokens", type=int, default=None,
                    help=f"forced tokens per sample, default {STEP['max_tokens']} (tiny: {SMOKE['max_tokens']})")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3, help="timed runs (and syncs) per side, after a warm-up")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=900, help="seconds per side")
+    p.add_argument("--timeout", type=float, default=240, help="seconds per side (its process is stopped after)")
     p.add_argument("--out", default="benchmarks/results/lora_serving.json")
     p.add_argument("--side", help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
@@ -282,23 +320,21 @@ def main(argv=None):
         print("RESULT " + json.dumps(run_side(args, Path(args.work))), flush=True)
         return 0
 
-    doc = {"config": vars(args), "workload": workload(args), "argv": argv}
+    doc = {"config": vars(args), "workload": workload(args), "argv": argv,
+           "adapter": {"error": "not run: the merged side, which writes the models, failed"}}
     with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        prepare(args, Path(tmp))
-        doc["prepare_s"] = round(time.perf_counter() - t0, 1)
         for side in ("merged", "adapter"):
-            res = subprocess.run([sys.executable, __file__, *argv, "--side", side, "--work", tmp],
-                                 capture_output=True, text=True, timeout=args.timeout)
-            line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
-            doc[side] = json.loads(line[7:]) if line else {"error": res.stdout[-2000:] + res.stderr[-6000:]}
-            print(side, "error" if "error" in doc[side] else doc[side]["tokens_per_s"], "tokens/s", flush=True)
+            doc[side] = run_process([sys.executable, __file__, *argv, "--side", side, "--work", tmp], args.timeout)
+            if "error" in doc[side]:
+                print(f"{side}: error\n{doc[side]['error'][-3000:]}", flush=True)
+                break
+            print(f"{side}: {doc[side]['tokens_per_s']} tokens/s, sync {doc[side]['sync_s']} s", flush=True)
     ok = all("error" not in doc[s] for s in ("merged", "adapter"))
     if ok:
         doc["versions"] = doc["merged"].pop("versions")
         doc["adapter"].pop("versions")
         summarize(doc)
-    print(json.dumps({k: doc[k] for k in ("checks", "decode_ratio", "step_estimate", "step_ratio") if k in doc}, indent=1))
+    print(json.dumps({k: doc[k] for k in ("checks", "decode_ratio", "step_estimate", "step_ratio") if k in doc}))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
