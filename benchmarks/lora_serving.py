@@ -158,8 +158,9 @@ def run_side(args, work: Path) -> dict:
         if merged:
             syncs.append(sync_merged(llm, trainer, scale=args.alpha / args.rank))
         else:
-            lora = vc.lora_request(work / f"adapter_v2_sync{k}", k + 2)   # a new version: a new id
-            syncs.append(sync_adapter(llm, trainer, lora, probe_seqs))
+            path = work / f"adapter_v2_sync{k}"
+            lora = vc.lora_request(path, k + 2)                     # a new version: a new id
+            syncs.append(sync_adapter(llm, trainer, path, lora, probe_seqs))
     probes["v2"] = probe(llm, lora, probe_seqs)
     vc.shutdown(llm)
     res.update(syncs=syncs, sync_s=round(statistics.median(s["sync_s"] for s in syncs), 4), probes=probes)
@@ -188,11 +189,11 @@ def sync_merged(llm, trainer, *, scale: float) -> dict:
     return {"sync_s": round(sync_s, 4)}
 
 
-def sync_adapter(llm, trainer, lora, probe_seqs) -> dict:
-    """The adapter saved where `lora` points, then the engine's load of it on the first request
-    under it (that request's time minus the same request's again, the adapter in place)."""
+def sync_adapter(llm, trainer, path: Path, lora, probe_seqs) -> dict:
+    """The adapter saved to `path` (where `lora` points), then the engine's load of it on the first
+    request under `lora` (that request's time minus the same request's again, the adapter in place)."""
     t0 = time.perf_counter()
-    trainer.save_pretrained(lora.lora_path)
+    trainer.save_pretrained(path)
     save_s = since(t0)
     t1 = time.perf_counter()
     probe(llm, lora, probe_seqs)
