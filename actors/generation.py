@@ -1,16 +1,17 @@
 """GenerationActor: a Ray actor around one minirl.generator.Generator that feeds the queue.
 
     actor = GenerationActor.options(...).remote(model, worker_id, queue_name, namespace, gen_kwargs)
-    ray.get(actor.run.remote(8))   # lease <= 8 prompts, generate, put; until the queue is finished
+    ray.get(actor.run.remote(8))   # <= 8 prompts in flight, leased as others finish; until the end
 
 The actor restarts after a crash (max_restarts=-1): __init__ registers with the queue again
 (which releases what the dead one had leased) and loads the trainer's latest weights from the
 object store before it generates. A prompt whose request fails (too long, reward_fn raised or
-ran past reward_timeout_s) is never retried: it goes to the queue's fail_prompts with its cause
-(minirl.faults). Weights arrive by `load_from_store` (object store) or
-`recv_broadcast` (collective group) while `run` may be blocked on a full queue, so calls run on
-a few threads and a lock keeps every weight load out of a running generate. Hardware: one GPU
-or CPU cores.
+ran past reward_timeout_s) is never retried: it goes to the queue's fail_prompts with its cause.
+`run` generates continuously (Generator.serve): each finished group is put as it finishes, and
+new prompts are leased whenever fewer than max_prompts are open. Weights arrive by
+`load_from_store` (object store; fetched first, then loaded) or `recv_broadcast` (collective
+group) on another of the actor's threads and are applied between two engine steps while requests
+run (generation pauses for the load alone). Hardware: one GPU or CPU cores.
 """
 
 from __future__ import annotations
@@ -18,27 +19,28 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import replace
 
 import ray
 
 from actors import placement
 from actors.queue import connect_queue
-from minirl.faults import bounded, run_each
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=4)
 class GenerationActor:
     def __init__(self, model: str, worker_id: str, queue_name: str, namespace: str,
                  gen_kwargs: dict, call_timeout_s: float = 600.0, token: str | None = None):
+        from minirl.episodes import EpisodeConfig
         from minirl.generator import Generator
         from minirl.trainer import model_identity
         self.worker_id, self.timeout = worker_id, call_timeout_s
-        self._engine = threading.Lock()          # generate and weight loads never overlap
         self._stop = threading.Event()
         self.queue = connect_queue(queue_name, namespace=namespace, token=token)    # the run's token
         self._call(self.queue.check_model, model_identity(model))
         kw = dict(gen_kwargs)
-        kw["reward_fn"] = bounded(kw["reward_fn"], kw.pop("reward_timeout_s", None), "reward_fn")
+        kw["episode_config"] = replace(kw.get("episode_config") or EpisodeConfig(),   # reward_fn off the loop
+                                       reward_timeout_s=kw.pop("reward_timeout_s", None))
         self.gen = Generator(model, **kw)
         self.group = None
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
@@ -59,37 +61,35 @@ class GenerationActor:
         return False
 
     def run(self, max_prompts: int) -> dict:
-        """Lease, generate and put until the queue is finished (or stop() was called). Leases
-        nothing while the engine's weights are too stale (it loads newer ones from the object
-        store, or waits for the next broadcast). Returns counts."""
-        stats = {"prompts": 0, "tokens": 0, "stale_waits": 0}
+        """Generate with max_prompts prompts in flight, putting each group as it finishes, until the
+        queue is finished (or stop() was called). Leases nothing while the engine's weights are too
+        stale (it loads newer ones from the object store, or waits for the next broadcast). Counts."""
+        stats, loads = {"prompts": 0, "tokens": 0, "stale_waits": 0}, dict(self.gen.stats)
         self._stop.clear()
-        while not self._stop.is_set():
-            items = self._call(self.queue.take_prompts, self.worker_id, max_prompts, self.gen.policy_version, 1.0)
+
+        def lease(k: int):
+            items = self._call(self.queue.take_prompts, self.worker_id, k, self.gen.policy_version, 1.0)
             if items is None:                    # too stale to start: newer weights first
                 stats["stale_waits"] += 1
                 if not self._bootstrap():
                     time.sleep(0.1)
-                continue
-            if not items:
-                if self._call(self.queue.finished):
-                    return stats
-                continue
-            with self._engine:                   # stamped with the version the engine holds
-                batches, failed = run_each(self.gen.generate, items)
-            for b in batches:
-                for r in b:
-                    r.info["worker_id"] = self.worker_id
+                return []
+            return None if not items and self._call(self.queue.finished) else items
+
+        def deliver(batches: list, failed: list) -> None:
+            for r in (r for b in batches for r in b):
+                r.info["worker_id"] = self.worker_id
             if failed:                           # never retried: the queue's on_failure decides
                 self._call(self.queue.fail_prompts, self.worker_id, failed)
             if batches:
                 self._call(self.queue.put, self.worker_id, batches, self.timeout)
-            stats["prompts"] += len(items)
+            stats["prompts"] += len(batches) + len(failed)
             stats["tokens"] += sum(len(r.completion_ids) for b in batches for r in b)
-        return stats
+        self.gen.serve(lease, deliver, target=max_prompts, stop=self._stop, join_s=self.timeout)
+        return {**stats, **{k: v - loads[k] for k, v in self.gen.stats.items()}}   # this run's loads
 
     def stop(self) -> None:
-        """Drain: run() returns after the batch in hand (whose rollouts are kept)."""
+        """Drain: run() leases no more and returns once the open prompts are delivered."""
         self._stop.set()
 
     # -- weights -----------------------------------------------------------------------------
@@ -97,9 +97,10 @@ class GenerationActor:
     def load_from_store(self, version: int, refs: list, probe_ids: list | None = None) -> dict:
         """refs: one ObjectRef per packed bucket (minirl.transport.pack_bucket), owned by the trainer."""
         from minirl.transport import unpack_bucket
-        buckets = (unpack_bucket(ray.get(ref, timeout=self.timeout), self.gen.device) for ref in refs)
-        with self._engine:     # the trainer's push wins, also over newer weights (after its resume)
-            return self.gen.load_weights(version, buckets, probe_ids=probe_ids)
+        packed = [ray.get(ref, timeout=self.timeout) for ref in refs]     # fetched before the pause
+        buckets = (unpack_bucket(p, self.gen.device) for p in packed)
+        # the trainer's push wins, also over newer weights (after its resume)
+        return self.gen.load_weights(version, buckets, probe_ids=probe_ids, timeout_s=self.timeout)
 
     def join_group(self, host: str, port: int, rank: int, world_size: int, prefix: str,
                    timeout_s: float) -> bool:
@@ -114,8 +115,8 @@ class GenerationActor:
         """Receive len(metas) buckets from the trainer over the collective group and load them."""
         if self.group is None:
             raise RuntimeError(f"generator {self.worker_id} is in no broadcast group")
-        with self._engine:
-            return self.gen.load_weights(version, (self.group.recv(m) for m in metas), probe_ids=probe_ids)
+        return self.gen.load_weights(version, (self.group.recv(m) for m in metas), probe_ids=probe_ids,
+                                     timeout_s=self.timeout)
 
     # -- introspection ------------------------------------------------------------------------
 
@@ -129,6 +130,5 @@ class GenerationActor:
     def evaluate(self, prompts: list, answers: list, reward_fn, eval_kwargs: dict) -> dict:
         """minirl.evaluation.evaluate on this engine's current weights (eval/policy_version says which)."""
         from minirl.evaluation import evaluate
-        with self._engine:
-            return {**evaluate(self.gen.llm, prompts, answers, reward_fn, **eval_kwargs),
-                    "eval/policy_version": self.gen.policy_version}
+        return self.gen.exclusive(lambda: {**evaluate(self.gen.llm, prompts, answers, reward_fn, **eval_kwargs),
+                                           "eval/policy_version": self.gen.policy_version}, self.timeout)

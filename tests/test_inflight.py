@@ -1,0 +1,181 @@
+"""Continuous generation and in-flight weight updates (minirl.generator.Generator.serve), rewards off
+the engine loop (EpisodeRunner.reward) and the off-policy loss of the async loop (minirl.offpolicy).
+
+Needs: CPU only; one tiny vLLM engine in this process (no Ray). About half a minute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from minirl import vllm_compat as vc
+from minirl.data import Rollout
+from minirl.episodes import EpisodeConfig, EpisodeRunner
+from minirl.generator import Generator
+from minirl.hub import PromptItem
+from minirl.offpolicy import decoupled_loss_fn, staleness_metrics
+
+X = 7          # the token the "certain" weights always sample
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_model):
+    g = Generator(tiny_model, reward_fn=lambda p, c: 0.0, group_size=1,
+                  sampling={"max_tokens": 48, "ignore_eos": True}, max_model_len=128, enforce_eager=True)
+    yield g
+    g.close()
+
+
+def certain_weights(path: str) -> list[tuple[str, torch.Tensor]]:
+    """The tiny model's weights changed so that token X is certain after any context, whatever the KV
+    cache holds: attention and MLP outputs are zero (the last hidden state is the current token's
+    embedding), every embedding is ones and X's ten times that; with tied embeddings X's logit is
+    10 x 128 against 128 for any other token."""
+    from safetensors.torch import load_file
+    sd = load_file(f"{path}/model.safetensors")
+    for name in sd:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            sd[name] = torch.zeros_like(sd[name])
+    emb = torch.ones_like(sd["model.embed_tokens.weight"])
+    emb[X] *= 10
+    sd["model.embed_tokens.weight"], sd["model.norm.weight"] = emb, torch.ones_like(sd["model.norm.weight"])
+    return list(sd.items())
+
+
+def serve_in_thread(gen, items, target, got):
+    stop = threading.Event()
+
+    def lease(k):
+        if not items:
+            return None
+        out = items[:k]
+        del items[:k]
+        return out
+    t = threading.Thread(target=gen.serve, args=(lease, lambda b, f: got.append((b, f))),
+                         kwargs={"target": target, "stop": stop}, daemon=True)
+    t.start()
+    return t
+
+
+def test_long_request_spans_two_versions_after_an_in_flight_load(gen, tiny_model):
+    """A 48-token request is running when weights of version 1 load between two engine steps: its
+    tokens up to the load are the random model's (log-probs ~ -4), every token after it is X with
+    log-prob 0 (the new weights, with the KV of the old ones kept), and the rollout says (0, 1). The
+    load's probe ran as a request beside it and matches the engine's own log-probs afterwards."""
+    got = []
+    t = serve_in_thread(gen, [PromptItem(uid="long", prompt="1+2=")], 1, got)
+    deadline = time.monotonic() + 60
+    while gen.runner.stats["steps"] < 12 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    out = gen.load_weights(1, [certain_weights(tiny_model)], probe_ids=[3, 4, 5, 6])
+    t.join(60)
+    assert not t.is_alive() and out["in_flight"] >= 1 and out["version"] == 1 and out["changed"]
+    (batches, failures), = got
+    r = batches[0][0]
+    assert failures == [] and r.info["versions"] == (0, 1) and r.policy_version == 0
+    ids, lps = r.completion_ids, r.sampling_logprobs
+    m = next(i for i, lp in enumerate(lps) if lp > -1e-3)             # where the new weights took over
+    assert 10 <= m < len(ids) - 5, (m, lps)
+    assert all(lp < -0.5 for lp in lps[:m]) and all(lp > -1e-3 for lp in lps[m:]) and set(ids[m:]) == {X}
+    assert out["probe_logprobs"] == pytest.approx(gen.prompt_logprobs([3, 4, 5, 6]), rel=1e-4)
+    assert gen.stats["loads_in_flight"] >= 1
+
+
+def test_continuous_serving_delivers_every_group_once_and_failures_by_uid(gen):
+    """Six prompts, two in flight at a time: each group is delivered once, as it finishes (short ones
+    leased after the long one overtake it), new prompts enter while it runs; a reward_fn error is
+    that prompt's failure, naming it."""
+    def reward(prompt, completion):
+        if prompt == "bad":
+            raise ValueError("no score")
+        return 1.0
+
+    async def episode(ep):
+        turn = await ep.generate(max_tokens=60 if ep.uid == 0 else 2, ignore_eos=True)
+        return await ep.runner.reward(reward, ep.prompt, turn.text)
+    g, before = gen, (gen.episode, gen.group_size, dict(gen.runner.stats))
+    g.episode, g.group_size = episode, 2
+    try:
+        items = [PromptItem(uid=i, prompt="bad" if i == 3 else f"{i}+1=") for i in range(6)]
+        got = []
+        serve_in_thread(g, items, 2, got).join(120)
+        delivered = [b.uid for bs, _ in got for b in bs]
+        failed = [f for _, fs in got for f in fs]
+        assert sorted(delivered) == [0, 1, 2, 4, 5] and delivered[-1] == 0 and len(failed) == 1
+        assert failed[0][0] == 3 and "ValueError: no score" in failed[0][1] and "prompt uid=3" in failed[0][1]
+        v = g.policy_version
+        assert all(len(b) == 2 and b[0].info["versions"] == (v, v) for bs, _ in got for b in bs)
+        assert g.runner.stats["requests"] - before[2]["requests"] == 12
+    finally:
+        g.episode, g.group_size = before[:2]
+
+
+def test_slow_reward_does_not_block_generation(gen):
+    """One episode's reward_fn sleeps 1.5 s (sync: in a worker thread) while the other episodes keep
+    taking turns; an async reward and a reward past reward_timeout_s (named in the error) too."""
+    stamps, window = [], {}
+
+    def slow_reward(prompt, completion):
+        window["start"] = time.monotonic()
+        time.sleep(1.5)
+        window["end"] = time.monotonic()
+        return 1.0
+
+    async def async_reward(prompt, completion):
+        await asyncio.sleep(0.01)
+        return 0.5
+
+    async def episode(ep):
+        if ep.prompt == "slow":
+            turn = await ep.generate(max_tokens=1)
+            return await ep.runner.reward(slow_reward, ep.prompt, turn.text)
+        for _ in range(40):
+            await ep.generate(max_tokens=2, ignore_eos=True)
+            stamps.append(time.monotonic())
+            await asyncio.sleep(0.02)
+        return await ep.runner.reward(async_reward, ep.prompt, "")
+
+    runner = EpisodeRunner(gen.llm, config=EpisodeConfig(max_turns=64))
+    batches = runner.run(episode, ["slow", "1+1=", "2+1="])
+    assert [b[0].reward for b in batches] == [1.0, 0.5, 0.5]
+    during = [s for s in stamps if window["start"] < s < window["end"]]
+    assert len(during) >= 10, (len(during), len(stamps))      # turns went on while the reward slept
+
+    capped = EpisodeRunner(gen.llm, config=EpisodeConfig(max_turns=64, reward_timeout_s=0.2))
+    with pytest.raises(RuntimeError, match=r"prompt uid=0 .*'slow'.*reward_fn did not return within 0.2 s"):
+        capped.run(episode, ["slow"])
+
+
+def test_decoupled_loss_hand_worked():
+    """pi = (0.5, 0.2), sampler (0.25, 0.4), A = (1, -1): pi/sampler = (2, 0.5). TIS (cap 2) weights
+    (2, 0.5); the PPO ratio against the proximal policy (pi itself) is 1, so the loss is -w*A =
+    (-2, 0.5) and d loss / d log pi = (-2, 0.5). Cap 1.5: (1.5, 0.5). MIS [0.6, 1.8]: both dropped."""
+    lp = torch.log(torch.tensor([0.5, 0.2])).requires_grad_()
+    batch = SimpleNamespace(old_logprobs=torch.log(torch.tensor([0.25, 0.4])), advantages=torch.tensor([1.0, -1.0]))
+    per_token, stats = decoupled_loss_fn("tis", entropy=False)(lp, batch, None)
+    assert per_token.tolist() == pytest.approx([-2.0, 0.5])
+    per_token.sum().backward()
+    assert lp.grad.tolist() == pytest.approx([-2.0, 0.5])
+    assert stats["ratio"].tolist() == pytest.approx([2.0, 0.5]) and stats["clip_frac"].tolist() == [1.0, 1.0]
+    capped, _ = decoupled_loss_fn("tis", cap=1.5, entropy=False)(lp, batch, None)
+    assert capped.tolist() == pytest.approx([-1.5, 0.5])
+    masked, stats = decoupled_loss_fn("mis", low=0.6, high=1.8, entropy=False)(lp, batch, None)
+    assert masked.tolist() == [0.0, 0.0] and stats["is_weight"].tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="choose 'tis'"):
+        decoupled_loss_fn("is")
+
+
+def test_staleness_metrics_histogram_and_spans():
+    def r(v, span):
+        return Rollout(prompt_ids=[1], completion_ids=[2], sampling_logprobs=[0.0], reward=0.0, policy_version=v,
+                       info={"versions": span})
+    m = staleness_metrics([r(3, (3, 3)), r(2, (2, 3)), r(2, (2, 2)), r(0, (0, 1))], version=3, max_staleness=1)
+    assert m["async/rollouts_spanning_versions"] == 2
+    assert (m["async/staleness_0"], m["async/staleness_1"], m["async/staleness_over"]) == (1, 2, 1)
+    assert m["async/staleness_max"] == 3 and m["async/staleness_mean"] == pytest.approx(5 / 4)
