@@ -3,7 +3,7 @@
     q = create_queue("rollouts", max_batches=64, model_id=...)  # server side; connect_queue elsewhere
     ray.get(q.take_prompts.remote("gen-0", 8, version, 5.0))    # generator: [] none, None too stale
     ray.get(q.put.remote("gen-0", batches, 300.0))              # generator: waits for space
-    ray.get(q.get.remote(16, 300.0))                            # trainer: within max_staleness
+    ray.get(q.get.remote(16, 300.0))                            # trainer: the batches due first
 
 Blocking calls wait on an asyncio.Condition notified on every state change, with a timeout.
 Every call carries the run's token (actors/tokens.py). If the actor dies Ray restarts it empty;
@@ -68,13 +68,13 @@ class RolloutQueueActor:
 
     @guarded
     async def get(self, n: int, timeout_s: float | None = 300.0, partial_at_end: bool = True) -> list:
-        """The oldest n batches within max_staleness (older ones are recycled on the way); at the
-        end (prompts closed, none pending or leased) what remains, then []."""
+        """n batches within max_staleness, waiting for the ones due first (RolloutHub.take_batches);
+        at the end (prompts closed, none pending or leased) what remains, then []."""
         out = await self._until(lambda: ... if (got := self.hub.take_batches(n, partial_at_end=partial_at_end))
                                 is None else got, timeout_s)
         if out is ...:
-            raise TimeoutError(f"rollout queue {self.name}: no {n} fresh batches within {timeout_s} s "
-                               f"(stats: {self.hub.stats()}): are the generators running?")
+            raise TimeoutError(f"rollout queue {self.name}: no {n} batches due within {timeout_s} s (stats: "
+                               f"{self.hub.stats()}): are the generators running? (a step waits for its prompts)")
         return out
 
     @guarded

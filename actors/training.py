@@ -2,16 +2,15 @@
 queue, pushing weights to the generators) and TrainingActor, one rank of it on Ray.
 
     worker = TrainWorker(model, "rollouts", config=TrainerConfig(lr=1e-6), max_staleness=1)
-    for batches in worker.pull_rollouts():          # within max_staleness versions of the trainer
+    for batches in worker.pull_rollouts():          # every token >= version - max_staleness (RolloutHub)
         ...worker.trainer.forward_backward(...) / optim_step(), or worker.model / worker.optimizer...
         worker.sync_weights()                       # publish a version, push it, verify it arrived
     worker.finish()                                 # the run's end, for the server side
     pg, trainers = start_trainers(2, model, "rollouts", lr=1e-6)   # SPMD: run(fn) on every rank
 
-Rank 0 pulls each step's batches and shares them, split by tokens; if the queue's actor restarted,
-it rejoins it first (what it pulled, its version and weights). Weights go through the object store
-or a collective group (actors/weights.py), verified unless verify_sync=False. Hardware: CPU or one
-GPU per rank.
+Rank 0 pulls each step's batches and shares them, split by tokens; if the queue restarted, it rejoins
+it first (what it pulled, its version, weights). Weights go through the object store or a collective
+group (actors/weights.py), verified unless verify_sync=False. Hardware: CPU or one GPU per rank.
 """
 
 from __future__ import annotations
@@ -47,14 +46,14 @@ class TrainWorker:
         self.trainer = Trainer(model, replace(config or TrainerConfig(), **({} if lr is None else {"lr": lr})))
         self.rank, self.device, self.max_staleness = self.trainer.rank, self.trainer.device, max_staleness
         self.batch_size, self.pull_timeout, self.timeout = batch_size, pull_timeout_s, sync_timeout_s
+        self._step_prompts = batch_size * self.rank.world_size     # the queue admits work by it (RolloutHub)
         if self.rank.rank == 0:
-            self._q(self.queue.set_max_staleness, max_staleness)
+            self._q(self.queue.set_max_staleness, max_staleness, self._step_prompts)
         self.trainer.policy_version = self._q(self.queue.stats)["version"]
         self.pusher = WeightPusher(self.trainer, self.queue, transport, verify=verify_sync, timeout_s=sync_timeout_s)
         self.trained_uids, self.timings = [], {}     # trained_uids: every prompt pulled (once), in order
 
-    model = property(lambda self: self.trainer.model)
-    optimizer = property(lambda self: self.trainer.optimizer)
+    model, optimizer = property(lambda self: self.trainer.model), property(lambda self: self.trainer.optimizer)
     policy_version = property(lambda self: self.trainer.policy_version)
 
     def pull_rollouts(self, batch_size: int | None = None):
@@ -81,7 +80,7 @@ class TrainWorker:
             return placement.call(method, *args, timeout_s=wait_s + self.timeout, what="rollout queue")
         except QueueRestarted:
             self._q(self.queue.rejoin_trainer, self.trained_uids, self.policy_version, self.pusher.refs,
-                    self.max_staleness)
+                    self.max_staleness, self._step_prompts)
             return self._q(method, *args, wait_s=wait_s)
 
     def sync_weights(self) -> dict:
@@ -100,7 +99,7 @@ class TrainWorker:
         return self.trainer.save_checkpoint(ckpt, step, state=state, objects={"queue": queue}, export_hf=export_hf)
 
     def load_checkpoint(self, ckpt, path=None) -> dict:
-        """Restore the trainer and its trained prompts; the queue rolls back to them (RolloutHub.rollback);
+        """Restore the trainer and its trained prompts; the queue rolls back to them (RolloutHub.rollback),
         the restored weights replace every generator's. Running or fresh (restored) queue. Collective."""
         out = self.trainer.load_checkpoint(ckpt, path)
         self.trained_uids = list(out["state"]["trained_uids"])
@@ -115,7 +114,7 @@ class TrainWorker:
         if self.rank.rank == 0:
             self._q(self.queue.set_trainer_done)
 
-    def queue_stats(self) -> dict:
+    def queue_stats(self) -> dict:    # recycled_stale, waited_for_old, ... (RolloutHub.stats)
         return self._q(self.queue.stats)
 
     def close(self) -> None:

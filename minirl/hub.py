@@ -15,6 +15,26 @@ and batches of weights newer than its checkpoint (which no trainer holds) are re
 A hub rebuilt after its actor died (restarted=True) holds leases and deliveries until the server
 (rejoin_server: its prompts, whether closed, its generators) and the live trainer (rejoin_trainer:
 what it trained, its version and weights) have sent their state again: every prompt still trains once.
+
+Staleness by admission (the trainer set max_staleness S and its batch size B: set_max_staleness).
+The guarantee: every token trained at trainer version t (the step that publishes t + 1) was sampled
+with weights of version >= t - S. A batch's policy_version is the oldest version of its tokens, so
+a batch may be trained at versions <= its deadline policy_version + S; a prompt leased to a
+generator holding version g gets the deadline g + S (its tokens will be >= g). Two rules keep
+every deadline, so finished work is not thrown away:
+  (a) admission: a prompt is leased only if, for every t >= its deadline, the prompts open (leased
+      or buffered, not yet delivered) with deadlines <= t fit in the steps left until t:
+      #{open: deadline <= t} <= (t - version) * B + (B - taken at this version, >= 0); and at most
+      max_batches are open (one step per version: the trainer publishes after each take).
+  (b) take_batches(n) at version t delivers the n open prompts of the earliest deadlines (among
+      equal deadlines finished ones first) and waits while any of those is unfinished, rather than
+      train newer ones (counted in "waited_for_old"); bounded by the caller's timeout.
+By (a) the prompts due at version t never outnumber B, by (b) they are all in step t's batch.
+max_staleness=0 stays on-policy: B prompts per version, all trained before the next one. The old
+rule (take the oldest-finished batches, re-queue those past their deadline: "recycled_stale")
+stays as a safety net for batches that arrive late anyway (a restored buffer, admission=False,
+a trainer taking other batch sizes); it counts every such prompt.
+
 actors/queue.py wraps a hub in an async Ray actor with blocking calls. Tests: `pytest
 tests/test_hub.py`. Hardware: CPU (any).
 """
@@ -67,7 +87,7 @@ class RolloutHub:
     """Prompt pool + bounded rollout buffer + exactly-once accounting; not thread-safe (one owner)."""
 
     def __init__(self, max_batches: int, *, model_id: str | None = None, name: str = "hub",
-                 on_failure: str = "stop", restarted: bool = False):
+                 on_failure: str = "stop", restarted: bool = False, admission: bool = True):
         if int(max_batches) < 1:
             raise ValueError(f"max_batches must be >= 1, got {max_batches}")
         if on_failure not in ("stop", "skip"):
@@ -90,6 +110,13 @@ class RolloutHub:
         self._weights: Any = None
         self._workers: dict[str, Any] = {}
         self.max_staleness: int | None = None   # set by the trainer; see take_prompts, take_batches
+        self.batch_size: int | None = None      # prompts per trainer step, set with max_staleness
+        self.admission = admission              # False: the old rule (lease while fresh, recycle late)
+        self._deadline: dict[Any, int] = {}     # leased uid -> generator's version at lease + S
+        self._order: dict[Any, int] = {}        # leased uid -> lease number (ties: older first)
+        self._leases_made = 0
+        self._taken = (0, 0)                    # (version, prompts delivered at it): step `version`'s share
+        self._waited: set = set()               # open uids take_batches waited for (rule b)
         self.restarted = restarted                 # rebuilt after its actor died: empty until both rejoin
         self.awaiting = {"server", "trainer"} if restarted else set()
 
@@ -140,10 +167,33 @@ class RolloutHub:
         """No more prompts will come; finished() can become True."""
         self._closed = True
 
-    def set_max_staleness(self, max_staleness: int) -> None:
+    def set_max_staleness(self, max_staleness: int, batch_size: int | None = None) -> None:
+        """The trainer's staleness bound and (for admission) how many prompts one of its steps takes."""
         if int(max_staleness) < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if batch_size is not None and int(batch_size) < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.max_staleness = int(max_staleness)
+        self.batch_size = None if batch_size is None else int(batch_size)
+
+    def _admits(self) -> bool:
+        return self.admission and self.max_staleness is not None and self.batch_size is not None
+
+    def _due(self, uid) -> int:
+        """The last trainer version that may train this open prompt (see the module docstring)."""
+        if uid in self._buffer:
+            return self._buffer[uid].policy_version + self.max_staleness
+        return self._deadline.get(uid, self._version + self.max_staleness)
+
+    def _room(self, deadline: int) -> int:
+        """How many more prompts of this deadline rule (a) admits."""
+        dues = sorted(self._due(u) for u in (*self._leases, *self._buffer))
+        taken = self._taken[1] if self._taken[0] == self._version else 0    # this version's step took them
+        room = self.max_batches - len(dues)
+        for t in sorted({deadline, *(d for d in dues if d > deadline)}):
+            steps = (t - self._version) * self.batch_size + max(0, self.batch_size - taken)
+            room = min(room, steps - sum(d <= t for d in dues))
+        return max(0, room)
 
     def set_trainer_done(self) -> None:
         self._check_trainer_joined()
@@ -164,8 +214,15 @@ class RolloutHub:
             return None
         if self.error is not None or self.awaiting:   # the run stops, or a rebuilt hub waits for its state
             return []
-        uids = [self._pending.popitem(last=False)[0] for _ in range(min(k, len(self._pending)))]
+        k = min(k, len(self._pending))
+        due = (self._version if version is None else version) + (self.max_staleness or 0)
+        if self._admits():
+            k = min(k, self._room(due))               # rule (a): [] until the trainer steps
+        uids = [self._pending.popitem(last=False)[0] for _ in range(k)]
         self._leases.update(dict.fromkeys(uids, worker_id))
+        for u in uids:
+            self._deadline[u], self._order[u] = due, self._leases_made
+            self._leases_made += 1
         return [replace(self._items[u]) for u in uids]
 
     def release_worker(self, worker_id: str) -> int:
@@ -176,6 +233,8 @@ class RolloutHub:
         for u in reversed(uids):
             self._leases.pop(u, None)
             self._buffer.pop(u, None)
+            self._deadline.pop(u, None)
+            self._order.pop(u, None)
             self._items[u].attempts += 1
             self._pending[u] = None
             self._pending.move_to_end(u, last=False)
@@ -213,9 +272,11 @@ class RolloutHub:
 
     def take_batches(self, n: int, min_version: int | None = None, *, partial_at_end: bool = False
                      ) -> list[RolloutBatch] | None:
-        """The oldest n buffered batches, marked delivered, or None (taking nothing) if fewer. First,
-        those of policy_version < min_version (default version - max_staleness) go back to the front
-        (recycled_stale). partial_at_end: once prompts are closed, none pending or leased, what's left."""
+        """n buffered batches, marked delivered, or None (taking nothing) if they are not there yet:
+        with admission, the n open prompts due first (rule (b) of the module docstring); else the oldest
+        n buffered. First, batches of policy_version < min_version (default version - max_staleness)
+        go back to the front (recycled_stale: the safety net). partial_at_end: once prompts are closed,
+        none pending or leased, what's left. With admission n also becomes the batch size it counts by."""
         if self.error is not None:
             raise RuntimeError(self.error)
         self._check_trainer_joined()
@@ -227,11 +288,25 @@ class RolloutHub:
         stale = [u for u, b in self._buffer.items() if b.policy_version < min_version]
         self._recycled_stale += self._requeue_front(stale)
         at_end = partial_at_end and self._closed and not self._pending and not self._leases
-        if len(self._buffer) < n and not at_end:
+        if self._admits() and not at_end:
+            self.batch_size = n
+            first = sorted((*self._leases, *self._buffer),
+                           key=lambda u: (self._due(u), u not in self._buffer, self._order.get(u, -1)))[:n]
+            if len(first) < n or any(u not in self._buffer for u in first):
+                if len(self._buffer) >= n:            # the old rule would train newer ones now
+                    self._waited.update(u for u in first if u not in self._buffer)
+                return None
+            out = [self._buffer.pop(u) for u in first]
+        elif len(self._buffer) < n and not at_end:
             return None
-        out = [self._buffer.popitem(last=False)[1] for _ in range(min(n, len(self._buffer)))]
+        else:
+            out = [self._buffer.popitem(last=False)[1] for _ in range(min(n, len(self._buffer)))]
+        v, k = self._taken
+        self._taken = (self._version, len(out) + (k if v == self._version else 0))
         for b in out:
             self._delivered[b.uid] = self._items.pop(b.uid)
+            self._deadline.pop(b.uid, None)
+            self._order.pop(b.uid, None)
         return out
 
     def fail_prompts(self, worker_id: str, failures: list) -> int:
@@ -243,6 +318,7 @@ class RolloutHub:
         for uid, cause in failures:
             if uid not in self._items or uid in self._buffer:
                 continue
+            self._deadline.pop(uid, None)
             self._leases.pop(uid, None)
             self._pending.pop(uid, None)
             del self._items[uid]
@@ -273,6 +349,7 @@ class RolloutHub:
             self._items[u] = self._delivered.pop(u)
             self._leases[u] = "rollback"        # requeued below, at the front with attempts + 1
         for u in trained - self._delivered.keys():
+            self._deadline.pop(u, None)
             self._leases.pop(u, None)
             self._pending.pop(u, None)
             self._buffer.pop(u, None)
@@ -297,11 +374,13 @@ class RolloutHub:
         self.awaiting.discard("server")
         return added
 
-    def rejoin_trainer(self, trained: list, version: int, weights: Any, max_staleness: int | None) -> int:
+    def rejoin_trainer(self, trained: list, version: int, weights: Any, max_staleness: int | None,
+                       batch_size: int | None = None) -> int:
         """After a restart: the live trainer's pulled uids (never issued again), its policy version
-        and weights handle (generators bootstrap from them) and staleness bound. Returns its version."""
+        and weights handle (generators bootstrap from them), staleness bound and batch size. Returns
+        its version."""
         if max_staleness is not None:
-            self.set_max_staleness(max_staleness)
+            self.set_max_staleness(max_staleness, batch_size)
         version = self.rollback(trained, version)
         self.set_version(version, weights)
         self.awaiting.discard("trainer")
@@ -343,6 +422,7 @@ class RolloutHub:
     def stats(self) -> dict:
         return {"pending": len(self._pending), "leased": len(self._leases), "buffered": len(self._buffer),
                 "delivered": len(self._delivered), "recycled_stale": self._recycled_stale,
+                "waited_for_old": len(self._waited), "batch_size": self.batch_size, "admission": self._admits(),
                 "duplicates": self._duplicates, "max_batches": self.max_batches, "version": self._version,
                 "workers": len(self._workers), "closed": self._closed, "max_staleness": self.max_staleness,
                 "trainer_done": self.trainer_done, "failed": len(self._failed), "error": self.error,

@@ -87,6 +87,47 @@ def test_every_prompt_once_within_staleness_and_weights_arrive(ray_local, tiny_m
         assert info["version"] == 6
         got = torch.tensor(ray.get(g["actor"].prompt_logprobs.remote(PROBE)))
         assert (got - want).abs().max() < 1e-4
+    assert srv.queue_stats()["recycled_stale"] == 0              # staleness by admission: nothing re-made
+    srv.shutdown(remove_queue=True)
+    ray.get(trainer.close.remote()); ray.kill(trainer); ray.util.remove_placement_group(pg)
+
+
+def slow_reward(prompt, completion, answer):
+    """A long tail: one prompt in six is scored slowly (a judge, say), the rest at once."""
+    import time
+    if int(prompt.split("+")[0]) % 6 == 0:
+        time.sleep(1.0)
+    return float(completion.strip() == answer)
+
+
+def slow_train_loop(worker):
+    import time
+    pull, lags = worker.pull_rollouts, []
+
+    def slowly():
+        for batches in pull():
+            lags.extend(worker.policy_version - r.policy_version for b in batches for r in b)
+            time.sleep(0.5)                                          # a slow trainer step
+            yield batches
+    worker.pull_rollouts = slowly
+    return {**train_loop(worker), "lags": lags, "queue": worker.queue_stats()}
+
+
+def test_staleness_bound_by_admission_with_slow_trainer_and_slow_prompts(ray_local, tiny_model):
+    """A slow trainer and slow prompts (a long-tail reward): every token trained at version t was
+    sampled at >= t - 1, every prompt trained once, and no finished batch was thrown away
+    (recycled_stale 0; the same timing recycles under the old rule: tests/test_hub.py)."""
+    task = get_task("succ")
+    prompts, answers = task.sample(24, seed=11)
+    srv = RolloutServer(tiny_model, "q-slow", reward_fn=slow_reward, num_generators=2, group_size=2,
+                        sampling={"max_tokens": 2}, queue_size=16, prompts_per_call=4, llm_kwargs=LLM)
+    srv.submit(prompts, metadata=answers)
+    pg, (trainer,) = _trainer(tiny_model, "q-slow", max_staleness=1)
+    srv.run(block=False)
+    out = ray.get(trainer.run.remote(slow_train_loop), timeout=600)
+    srv.wait(timeout_s=120)
+    assert sorted(out["uids"]) == list(range(24)) and max(out["lags"]) <= 1
+    assert out["queue"]["recycled_stale"] == 0 and out["queue"]["admission"]
     srv.shutdown(remove_queue=True)
     ray.get(trainer.close.remote()); ray.kill(trainer); ray.util.remove_placement_group(pg)
 

@@ -263,9 +263,11 @@ def test_rollback_on_a_fresh_queue_marks_trained_as_delivered():
 
 
 def simulate(seed: int, n_prompts: int = 40, n_workers: int = 3, max_batches: int = 6,
-             step_batches: int = 4, max_lag: int = 1, crashes: bool = False) -> RolloutHub:
+             step_batches: int = 4, max_lag: int = 1, crashes: bool = False, admission: bool = False) -> RolloutHub:
     rng = random.Random(seed)
     hub = RolloutHub(max_batches=max_batches)
+    if admission:                                              # staleness by admission (rules a, b)
+        hub.set_max_staleness(max_lag, step_batches)
     all_uids = list(range(n_prompts))
     to_add = list(all_uids)
     added = 0
@@ -354,12 +356,19 @@ def test_exactly_once_exercises_every_path():
     assert totals["recycled_stale"] > 0 and totals["duplicates"] > 0 and totals["rolled_back"] > 0
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_exactly_once_with_admission_seeded(seed):
+    hub = simulate(seed, crashes=seed % 2 == 1, admission=True)
+    assert hub.stats()["delivered"] == 40 and hub.stats()["admission"]
+
+
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), n_prompts=st.integers(1, 30), crashes=st.booleans(),
-       n_workers=st.integers(1, 4), max_batches=st.integers(1, 5), max_lag=st.integers(0, 2))
-def test_exactly_once_property(seed, n_prompts, n_workers, max_batches, max_lag, crashes):
+       n_workers=st.integers(1, 4), max_batches=st.integers(1, 5), max_lag=st.integers(0, 2),
+       admission=st.booleans())
+def test_exactly_once_property(seed, n_prompts, n_workers, max_batches, max_lag, crashes, admission):
     simulate(seed, n_prompts=n_prompts, n_workers=n_workers, max_batches=max_batches,
-             step_batches=max_batches, max_lag=max_lag, crashes=crashes)
+             step_batches=max_batches, max_lag=max_lag, crashes=crashes, admission=admission)
 
 
 # ---- a hub rebuilt after its actor died: held until the server and the live trainer rejoin -------
@@ -400,3 +409,89 @@ def test_rebuilt_hub_drops_a_trained_batch_put_before_the_trainer_rejoins():
     assert hub.put_batches("a", [batch(0), batch(2)]) == 2              # a generator's put in flight
     hub.rejoin_trainer([0, 1], 3, None, None)
     assert uids(hub.take_batches(1)) == [2] and hub.stats()["delivered"] == 3 and hub.finished()
+
+
+# ----------------------------------------------------------------------------------------------
+# Staleness by admission: a timed simulation of generators and a trainer around one hub
+
+
+def timed_run(*, admission: bool, S: int, B: int = 4, n_prompts: int = 96, gens: int = 2, slots: int = 6,
+              train_s: float = 1.0, load_delay_s: float = 0.3, gen_s=lambda rng: 0.5, seed: int = 0) -> dict:
+    """Generators keep `slots` prompts in flight (leasing with their weights' version; a prompt's
+    tokens start at the version it starts with, new weights reach a generator load_delay_s after the
+    trainer published them, in flight); the trainer takes B batches, trains train_s, publishes.
+    Returns every trained batch's lag (trainer version - oldest token version) and the hub's stats."""
+    rng = random.Random(seed)
+    hub = RolloutHub(max_batches=64, admission=admission)
+    hub.set_max_staleness(S, B)
+    hub.add_prompts(prompts(range(n_prompts)))
+    hub.close_prompts()
+    version, busy_until, t, dt = 0, 0.0, 0.0, 0.05
+    taken, lags, loads = None, [], []                # loads: (time, version) on the way to the generators
+    g = {f"g{i}": {"v": 0, "run": []} for i in range(gens)}   # run: [(finish time, uid, start version)]
+    while not hub.finished():
+        t += dt
+        assert t < 10_000, f"no progress: {hub.stats()}"
+        if taken is not None and t >= busy_until:    # a step ends: publish its weights
+            version += 1
+            hub.set_version(version)
+            loads.append((t + load_delay_s, version))
+            taken = None
+        if taken is None:
+            taken = hub.take_batches(B, partial_at_end=True)
+            if taken is not None:
+                lags += [version - b.policy_version for b in taken]
+                busy_until = t + train_s
+        for w, st in g.items():
+            st["v"] = max([st["v"]] + [v for at, v in loads if at <= t])      # in-flight weight update
+            done = [x for x in st["run"] if x[0] <= t]
+            st["run"] = [x for x in st["run"] if x[0] > t]
+            hub.put_batches(w, [batch(u, v) for _, u, v in done])
+            got = hub.take_prompts(w, slots - len(st["run"]), version=st["v"]) or []
+            st["run"] += [(t + gen_s(rng), it.uid, st["v"]) for it in got]
+    return {"lags": lags, **hub.stats()}
+
+
+def long_tail(rng):                                  # most prompts quick, a few 20x longer
+    return 0.2 if rng.random() < 0.85 else 4.0
+
+
+@pytest.mark.parametrize("S", [0, 1, 2])
+@pytest.mark.parametrize("case", ["slow_trainer", "slow_generator"])
+def test_staleness_by_admission_keeps_the_bound_and_recycles_nothing(S, case):
+    """Every trained token is at most S versions old, nothing is recycled and every prompt trains once;
+    the old rule (admission=False) in the same setup recycles (the slow-generator case) or trains older
+    tokens. S=0 is exactly on-policy."""
+    kw = dict(train_s=3.0, gen_s=lambda rng: 0.2) if case == "slow_trainer" else dict(train_s=0.3, gen_s=long_tail)
+    new = timed_run(admission=True, S=S, **kw)
+    assert max(new["lags"]) <= S and new["recycled_stale"] == 0, new
+    assert new["delivered"] == 96 and len(new["lags"]) == 96                # each trained once
+    if S == 0:
+        assert set(new["lags"]) == {0}
+    old = timed_run(admission=False, S=S, **kw)
+    assert max(old["lags"]) <= S and old["delivered"] == 96                   # kept only by recycling
+    if case == "slow_generator":
+        assert old["recycled_stale"] > 0, old
+        assert new["waited_for_old"] > 0 or S == 0                            # it waited instead
+
+
+def test_admission_counts_by_deadline():
+    """Hand-worked: B=2, S=1, trainer at version 0. A worker at version 0 (deadline 1) may lease
+    (1 - 0 + 1) * 2 = 4 prompts; a worker lagging by 2 gets None; after one step (version 1, two
+    delivered) a worker at version 1 (deadline 2) gets (2 - 1 + 1) * 2 - 2 open (due at 1) = 2."""
+    hub = RolloutHub(max_batches=16)
+    hub.set_max_staleness(1, 2)
+    hub.add_prompts(prompts(range(12)))
+    assert uids(hub.take_prompts("a", 10, version=0)) == [0, 1, 2, 3]
+    assert hub.take_prompts("a", 10, version=0) == []
+    hub.put_batches("a", [batch(3, 0), batch(2, 0)])
+    assert [b.uid for b in hub.take_batches(2)] == [2, 3]    # equal deadlines: finished first
+    hub.set_version(1)
+    assert hub.take_prompts("b", 10, version=-1) is None      # lags 2 > S
+    assert uids(hub.take_prompts("b", 10, version=1)) == [4, 5]
+    hub.put_batches("b", [batch(u, 1) for u in (4, 5)])
+    assert hub.take_batches(2) is None                        # 0 and 1 (due at 1) are still running
+    assert hub.stats()["waited_for_old"] == 2
+    hub.put_batches("a", [batch(0, 0), batch(1, 0)])
+    assert [b.uid for b in hub.take_batches(2)] == [0, 1]
+    assert hub.stats()["recycled_stale"] == 0
