@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from minirl.core import ppo_loss_fn
+from minirl.offpolicy import decoupled_loss_fn, staleness_metrics
 from minirl.lora import LoRAConfig
 from minirl.reference import kl_penalty
 from minirl.trainer import TrainerConfig
@@ -84,6 +85,9 @@ def parse_args(doc: str, run_dir: str, argv=None):
     add("--generators", type=int, default=1, help="(async)")
     add("--max-staleness", type=int, default=1, help="(async) policy versions a rollout may lag")
     add("--transport", default="object_store", choices=["object_store", "collective"], help="(async)")
+    add("--off-policy", default=None, choices=["none", "tis", "mis"],
+        help="correct off-policy tokens (decoupled PPO: importance weight trainer / sampler, truncated "
+             "(tis) or masked (mis)); default: tis for async, none co-located")
     add("--gen-resources", default=None, type=json.loads,
         help='(async) one generator\'s bundle, e.g. \'{"CPU": 1, "GPU": 1, "gen_pool": 1}\'')
     args = p.parse_args(argv)
@@ -142,10 +146,11 @@ def llm_kwargs(args) -> dict:
     return {**kw, "enforce_eager": True} if args.eager else kw
 
 
-def train_step(trainer, batches, args, step: int) -> dict:
+def train_step(trainer, batches, args, step: int, *, off_policy: str = "none") -> dict:
     """GRPO advantages, then args.epochs passes over the batch, each in args.optim_steps optimizer
     steps of accumulated packed micro-batches; every loss is the token mean over the global
-    batch. Returns the step's metrics (token means over every rank)."""
+    batch. off_policy (--off-policy overrides): "none" PPO against the sampler, "tis" / "mis" the
+    decoupled loss (minirl.offpolicy). Returns the step's metrics (token means over every rank)."""
     import torch
     from minirl import filters
     staleness = trainer.policy_version - min(b.policy_version for b in batches)   # versions behind
@@ -156,7 +161,9 @@ def train_step(trainer, batches, args, step: int) -> dict:
     shaped |= filters.overlong_filter(batches) if args.overlong_filter else {}
     rollouts = [r for b in batches for r in b]
     mine = trainer.rebalance(rollouts)                   # ranks hold about as many tokens
-    loss_fn, seen = ppo_loss_fn(clip_high=0.28), []
+    correction = args.off_policy or off_policy           # async: stale tokens weighted (minirl.offpolicy)
+    loss_fn, seen = (ppo_loss_fn(clip_high=0.28) if correction == "none" else
+                     decoupled_loss_fn(correction, clip_high=0.28)), []
     if trainer.config.reference:                         # + kl_coef * KL(policy || reference), logged
         loss_fn = kl_penalty(loss_fn, coef=args.kl_coef, estimator=args.kl_estimator)
     for epoch in range(args.epochs):
@@ -174,7 +181,9 @@ def train_step(trainer, batches, args, step: int) -> dict:
             "grad_norm": mean["grad_norm"], "tokens/trained": mean["tokens"], "staleness": staleness,
             "len/completion": sum(len(r.completion_ids) for r in rollouts) / len(rollouts),
             "len/prompt": sum(len(r.prompt_ids) for r in rollouts) / len(rollouts),
-            "len/truncated": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts), **shaped}
+            "len/truncated": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts), **shaped,
+            **{k: mean[k] for k in ("is_weight",) if k in mean},
+            **staleness_metrics(rollouts, trainer.policy_version, getattr(args, "max_staleness", 0))}
 
 
 def make_task(args):
@@ -271,6 +280,7 @@ def start_server(args):
                         num_generators=args.generators,
                         group_size=args.group_size, sampling={"max_tokens": args.max_tokens},
                         queue_size=args.prompts * (args.max_staleness + 1), resources=args.gen_resources,
+                        prompts_per_call=max(1, 256 // args.group_size),   # in flight: the engine's max_num_seqs
                         seed=args.seed, llm_kwargs={**llm_kwargs(args), "max_num_seqs": 256})
     if args.resume:                      # prompts trained before the checkpoint never come back
         print("restored:", srv.restore(Path(args.run_dir) / "checkpoints"))
