@@ -12,8 +12,7 @@ bf16 compute with fp32 master weights, one optimizer step per batch, `--steps` s
 - TRL: GRPOTrainer(use_vllm=True, vllm_mode="colocate") with its defaults except what matching
   needs (each change is listed in the JSON under trl.changes): fp32 master weights, the batch
   (per_device_train_batch_size x gradient_accumulation_steps = P x G completions per optimizer
-  step), lengths, vLLM's compilation mode (CUDA graphs for decode, no torch.compile: minirl's),
-  and gradient checkpointing off where the micro-batch fits without it. Its phases are timed by
+  step), lengths, and gradient checkpointing off where the micro-batch fits without it. Its phases are timed by
   wrapping its weight sync, vLLM call and generate-and-score step.
 
 Reported per side: medians over the steps after --warmup of the step, generation, sync and
@@ -142,7 +141,6 @@ def _profile_last_step(mod, args) -> None:
 
 def run_trl(args, model: str) -> dict:
     import torch
-    import trl.generation.vllm_generation as vg
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -161,11 +159,6 @@ def run_trl(args, model: str) -> dict:
         changes.update(use_cpu=True, bf16=False)
     config = GRPOConfig(output_dir=str(Path(args.work) / "trl"), **{**changes, "model_init_kwargs":
                         {"dtype": torch.float32}})
-
-    real_llm = vg.LLM                          # minirl's engine compilation mode, on TRL's engine too
-    from minirl.vllm_compat import engine_kwargs
-    graphs = engine_kwargs({}, sleep=False, seed=0, colocated=False).get("compilation_config")
-    vg.LLM = lambda *a, **kw: real_llm(*a, **{"compilation_config": graphs, **kw})
 
     def reward(prompts, completions, answer, **_):
         return [task.reward(p, c, a) for p, c, a in zip(prompts, completions, answer)]
@@ -221,7 +214,7 @@ def run_trl(args, model: str) -> dict:
         part = gen_len[i * per_step:(i + 1) * per_step]
         s["generated_tokens"] = sum(c for c, _ in part)
         s["trained_tokens"] = sum(c + p for c, p in part)
-    return {"changes": changes, "engine": f"compilation_config {graphs}",
+    return {"changes": changes, "engine": "vLLM's default compilation (as minirl's)",
             "steps": steps, "peak_memory_gib": mem.stop(), "trl": __import__("trl").__version__}
 
 

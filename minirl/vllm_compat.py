@@ -54,8 +54,9 @@ class ManagedLLM(LLM):
 def engine_kwargs(user: dict, *, sleep: bool, seed: int, colocated: bool = True) -> dict:
     """The user's LLM kwargs over in-process defaults: the seed; processed log-probs (they include
     temperature, as get_logprobs(..., temperature=T)); co-located, external_launcher (else an error);
-    on CUDA sleep mode when asked and decode CUDA graphs without torch.compile (seconds to start;
-    enforce_eager or your compilation_config overrides it); on CPU eager and a small KV cache."""
+    on CUDA sleep mode when asked, and vLLM's own compilation (torch.compile with full CUDA graphs
+    for decode steps and piecewise ones for steps that mix prefill and decode, as multi-turn
+    episodes do all the time; enforce_eager=True for none); on CPU eager and a small KV cache."""
     kw = {"logprobs_mode": "processed_logprobs", "seed": seed, **user}
     if colocated:
         backend = kw.setdefault("distributed_executor_backend", "external_launcher")
@@ -72,8 +73,6 @@ def engine_kwargs(user: dict, *, sleep: bool, seed: int, colocated: bool = True)
         return kw
     if sleep:
         kw.setdefault("enable_sleep_mode", True)
-    if not kw.get("enforce_eager") and "compilation_config" not in kw:
-        kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     return kw
 
 

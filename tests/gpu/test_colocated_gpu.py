@@ -12,6 +12,7 @@ Environment:
                        built on the GPU into a temporary directory)
   MINIRL_GPU_UTIL      vLLM gpu_memory_utilization (default 0.3)
   MINIRL_GPU_LR        learning rate (default 1e-3 for tiny, 1e-4 otherwise)
+  MINIRL_GPU_EAGER     1: an eager engine (default 0: the default engine, compiled with CUDA graphs)
   MINIRL_RESULTS_DIR   if set, each test writes <test name>.json of what it observed there
 
 The tests share one WeightManager (the module fixture `gpu_wm`) and run in file order. The
@@ -63,7 +64,7 @@ def gpu_wm(gpu_model):
     lr = float(os.environ.get("MINIRL_GPU_LR", 1e-3 if gpu_shape() == "tiny" else 1e-4))
     # sleep_level=2 explicitly: the default would keep this small model resident, and these
     # tests are about the sleep / wake / reload path.
-    wm = WeightManager(gpu_model, lr=lr, enforce_eager=True, max_model_len=256,
+    wm = WeightManager(gpu_model, lr=lr, enforce_eager=os.environ.get("MINIRL_GPU_EAGER", "0") == "1", max_model_len=256,
                        config=WeightManagerConfig(sleep_level=2),
                        gpu_memory_utilization=float(os.environ.get("MINIRL_GPU_UTIL", 0.3)))
     yield wm
