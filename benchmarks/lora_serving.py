@@ -316,7 +316,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3, help="timed runs (and syncs) per side, after a warm-up")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=240, help="seconds per side (its process is stopped after)")
+    p.add_argument("--timeout", type=float, default=280, help="seconds per side (its process is stopped after)")
     p.add_argument("--out", default="benchmarks/results/lora_serving.json")
     p.add_argument("--side", help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)

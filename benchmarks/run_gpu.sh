@@ -57,7 +57,7 @@ for stage in "$@"; do
     modes)   # which modes fit co-located on one GPU, 0.6B-8B shapes
       python benchmarks/modes.py --budget "${MODES_BUDGET:-510}" --out "$out/modes_h200" 2>&1 | grep -v "^\[" | tail -40 ;;
     lora-serving)   # LoRA served as merged weights vs as a vLLM adapter: tokens/s, sync, GRPO step, Qwen3-0.6B shape
-      timeout 500 python benchmarks/lora_serving.py --out "$out/lora_serving_h200_qwen3-0.6b.json" 2>&1 | grep -v "^\[" | tail -8 ;;
+      timeout 590 python benchmarks/lora_serving.py --out "$out/lora_serving_h200_qwen3-0.6b.json" 2>&1 | grep -v "^\[" | tail -8 ;;
     *) log "unknown stage $stage" ;;
   esac
 done
