@@ -33,7 +33,8 @@ template of BASE (a fixed one-exchange conversation, cut after its end-of-turn t
 template that rewrites earlier turns (Qwen3 drops `<think>...</think>` from past assistant turns)
 never touches the tokens already sampled: they are trained exactly as sampled.
 
-Endings (`Rollout.finish_reason`): "stop" (the episode returned), "max_turns" / "max_model_len"
+Endings (`Rollout.finish_reason`): the episode returned: its last turn's vLLM finish reason ("stop",
+or "length" when max_tokens cut it: over-long filters and len/truncated see it), "max_turns" / "max_model_len"
 (a `generate` past EpisodeConfig.max_turns or with no room left: the episode ends there, its
 reward is what `on_limit` returns, default 0), "error" (the episode raised, a tool timed out and
 was not caught, or it ran past `episode_timeout_s`; on_error="raise" stops the run naming the
@@ -458,7 +459,8 @@ class EpisodeRunner:
             deadline = asyncio.timeout(self.config.episode_timeout_s)
             try:
                 async with deadline:
-                    reward, reason = await episode(ep), "stop"
+                    reward = await episode(ep)
+                    reason = (ep.turns[-1].finish_reason if ep.turns else None) or "stop"
             except EpisodeEnd as end:
                 reward, reason = self.config.limit_reward, end.reason
                 self.stats["limits"] += 1

@@ -118,7 +118,7 @@ def test_masks_and_logprobs_align_with_the_engine(wm):
     assert r.prompt_ids == llm.get_tokenizer().encode("3+4=") and P == 4
     assert r.completion_ids[2:4] == [5, 6] and len(r.completion_ids) == 6
     assert r.loss_mask == [1, 1, 0, 0, 1, 1]
-    assert r.sampling_logprobs[2:4] == [0.0, 0.0] and r.finish_reason == "stop" and r.info["turns"] == 2
+    assert r.sampling_logprobs[2:4] == [0.0, 0.0] and r.finish_reason == "length" and r.info["turns"] == 2
     engine = vc.prompt_logprobs(llm, r.prompt_ids + r.completion_ids)        # entry t-1 scores token t
     for j in (0, 1, 4, 5):
         assert r.sampling_logprobs[j] == pytest.approx(engine[P - 1 + j], abs=1e-4)
@@ -139,6 +139,26 @@ def test_single_turn_is_the_one_turn_episode(wm):
         for r in b:
             assert r.loss_mask == [1] * len(r.completion_ids) and 1 <= len(r.completion_ids) <= 2
             assert r.info["turns"] == 1 and r.policy_version == wm.policy_version
+
+
+def test_a_cut_last_turn_ends_the_rollout_with_length(wm):
+    """A returned episode ends with its last turn's vLLM finish reason: one cut by max_tokens is
+    "length" (what over-long filtering and len/truncated look for), one that sampled EOS is "stop"."""
+    from minirl.filters import overlong_filter
+    eos = wm.as_vllm().get_tokenizer().eos_token_id
+
+    async def episode(ep):
+        await ep.generate(max_tokens=3, ignore_eos=True)
+        ep.append([5])
+        if ep.index == 1:    # the last turn may only sample EOS: it stops
+            await ep.generate(max_tokens=3, allowed_token_ids=[eos])
+        return 1.0
+
+    cut, stopped = [b[0] for b in run_episodes(wm.as_vllm(), episode, ["1+1=", "2+1="], seed=0)]
+    assert cut.finish_reason == "length" and stopped.finish_reason == "stop"
+    assert stopped.completion_ids[-1] == eos and stopped.info["turn_finish"] == ["length", "stop"]
+    overlong_filter([[cut, stopped]])
+    assert not any(cut.loss_mask) and sum(stopped.loss_mask) == 4
 
 
 def test_tool_timeout_error_and_waits_overlap(wm):
@@ -177,7 +197,7 @@ def test_tool_timeout_error_and_waits_overlap(wm):
     assert rollouts[0].finish_reason == "error" and rollouts[0].reward == -1.0
     assert "ToolTimeout" in rollouts[0].info["error"] and "'slow'" in rollouts[0].info["error"]
     assert "ValueError: the tool is broken" in rollouts[1].info["error"]
-    assert [r.finish_reason for r in rollouts[2:]] == ["stop"] * 4 and all(r.info["turns"] == 4 for r in rollouts[2:])
+    assert all(r.finish_reason == r.info["turn_finish"][-1] and r.info["turns"] == 4 for r in rollouts[2:])
     assert max(done[i] for i in range(2, 6)) < done["slow_to"] and most[0] == 4
     with pytest.raises(RuntimeError, match=r"episode 1 of prompt uid=1 \('2\+1='\) raised ValueError"):
         EpisodeRunner(wm.as_vllm()).run(episode, ["1+1=", "2+1="])
