@@ -225,6 +225,12 @@ def load_fsdp_model(path: str, device: torch.device, world: int, compute_dtype: 
     return model
 
 
+def predict_peak(n1: int, peak1: int, n2: int, peak2: int, n: int) -> float:
+    """The peak at n tokens on the line through two trials (gradients are the same at any size,
+    activations grow linearly in tokens)."""
+    return peak2 + (peak2 - peak1) / (n2 - n1) * (n - n2)
+
+
 class Trainer:
     """One FSDP2 training rank: model, AdamW, policy version, checkpoints, weight gathering.
 
@@ -359,35 +365,51 @@ class Trainer:
     def measure_peak(self) -> int:
         """Bytes allocated (CUDA) at the peak of one forward_backward over a full micro-batch of
         random tokens, plus the AdamW state the first step adds. With activation_checkpointing
-        None, turns recomputation on when that micro-batch does not fit without it. Leaves no
-        gradients behind; MemoryError when it does not fit at all."""
-        from minirl.data import Rollout
+        None, turns recomputation on when that micro-batch would not fit without it: two small
+        trials (1/8 and 1/4 of it) predict the full one's peak (activations grow linearly in
+        tokens), so a micro-batch far too big is never run (its failed attempt would fill the
+        device). Leaves no gradients behind; MemoryError when it does not fit at all."""
         n, dev = self.config.micro_batch_tokens, self.device
+        adam = self.unallocated_optimizer_bytes()
+        limit = torch.cuda.mem_get_info(dev)[1] * 0.95
+        auto = self.config.activation_checkpointing is None
+        if auto and n >= 64:
+            small = [self._trial_peak(k) for k in (n // 8, n // 4)]
+            if None in small or predict_peak(n // 8, small[0], n // 4, small[1], n) + adam > limit:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                auto = False
+        for recompute in (False, True):
+            if recompute:
+                if not auto:
+                    break
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            peak = self._trial_peak(n)
+            if peak is not None and peak + adam <= limit:
+                return peak + adam
+        on = bool(getattr(self.model, "is_gradient_checkpointing", False)) or recompute
+        raise MemoryError(f"one micro-batch of {n} tokens does not fit in training memory on "
+                          f"{torch.cuda.get_device_name(dev)} (activation checkpointing "
+                          f"{'on' if on else 'off'}): lower micro_batch_tokens"
+                          + ("" if on else " or set activation_checkpointing=True"))
+
+    def _trial_peak(self, n: int) -> int | None:
+        """Peak bytes allocated by one forward_backward over n random tokens (None: out of memory)."""
+        from minirl.data import Rollout
+        dev = self.device
         ids = torch.randint(0, self.model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
         dummy = Rollout(prompt_ids=ids[:1].tolist(), completion_ids=ids[1:].tolist(), reward=0.0,
                         sampling_logprobs=[0.0] * (n - 1), device=str(dev))
-        adam = self.unallocated_optimizer_bytes()
-        for recompute in (False, True):
-            if recompute:
-                if self.config.activation_checkpointing is not None:
-                    break
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(dev)
-            try:
-                self.forward_backward([dummy], lambda lp, mb, logits: (-lp, {}))
-                peak = torch.cuda.max_memory_allocated(dev) + adam
-            except torch.cuda.OutOfMemoryError:
-                peak = None
-                reshard(self.model)
-            self.optimizer.zero_grad(set_to_none=True)
-            if peak is not None and peak <= torch.cuda.mem_get_info(dev)[1] * 0.95:
-                torch.cuda.empty_cache()
-                return peak
-        raise MemoryError(f"one micro-batch of {n} tokens does not fit in training memory on "
-                          f"{torch.cuda.get_device_name(dev)} (activation checkpointing "
-                          f"{'on' if recompute else 'off'}): lower micro_batch_tokens"
-                          + ("" if recompute else " or set activation_checkpointing=True"))
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        try:
+            self.forward_backward([dummy], lambda lp, mb, logits: (-lp, {}))
+            peak = torch.cuda.max_memory_allocated(dev)
+        except torch.cuda.OutOfMemoryError:
+            peak = None
+            reshard(self.model)
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        return peak
 
     # -- weights ----------------------------------------------------------------------------------
 

@@ -223,3 +223,12 @@ def test_varlen_attention_plumbing_on_cpu(tmp_path, monkeypatch):
         batch = collate(rs)                                  # right-padded, with an attention mask
         torch.testing.assert_close(model(batch.input_ids, attention_mask=batch.attention_mask).logits,
                                    ref(batch.input_ids, attention_mask=batch.attention_mask).logits)
+
+
+def test_predict_peak_on_the_line_through_two_trials():
+    """Trials of 2,048 and 4,096 tokens peaking at 20 and 24 GiB (gradients + 2 GiB per 1,024 tokens
+    of activations) put 16,384 tokens at 24 + 4 * 12 / 2 = 48 GiB; a flat line stays flat."""
+    from minirl.trainer import predict_peak
+    G = 2**30
+    assert predict_peak(2048, 20 * G, 4096, 24 * G, 16384) == 48 * G
+    assert predict_peak(1024, 5 * G, 2048, 5 * G, 16384) == 5 * G
