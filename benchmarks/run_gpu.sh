@@ -3,6 +3,7 @@
 # from the wheel kit in ../shared/gpu, PYTHONPATH=/tmp/site-packages:$PWD). One or more stages per
 # call, each writing under OUT_DIR; a failing stage does not stop the next:
 #   bash benchmarks/run_gpu.sh OUT_DIR tests tests-0.6b switch-old switch-4b step-0.6b-256 step-4b-256-minirl
+# STEP_ARGS="--compilation-config '{...}'" STEP_TAG=_decode: more launch flags for minirl's step, a file suffix.
 # switch-old measures the checkout in .old/ (an earlier commit's minirl/ and actors/: `git archive
 # be0b014 minirl actors | tar -x -C .old`), switch-4b this one, in the same lease.
 set -uo pipefail
@@ -35,8 +36,8 @@ for stage in "$@"; do
       mb=64; ckpt=(); [[ $shape == 4b ]] && { mb=16; ckpt=(--trl-grad-ckpt); }
       steps=5; [[ $shape == 4b ]] && steps=4
       timeout 900 python benchmarks/step.py --shape "qwen3-$shape" --max-tokens "$tokens" --steps $steps --warmup 2 \
-        --sides "${side:-minirl,trl}" --trl-micro-batch $mb "${ckpt[@]}" \
-        --out "$out/step_qwen3-${shape}_${tokens}${side:+_$side}.json" 2>&1 | grep -v "^\[" | tail -6 ;;
+        --sides "${side:-minirl,trl}" --trl-micro-batch $mb "${ckpt[@]}" ${STEP_ARGS:+--minirl-args "$STEP_ARGS"} \
+        --out "$out/step_qwen3-${shape}_${tokens}${side:+_$side}${STEP_TAG:-}.json" 2>&1 | grep -v "^\[" | tail -6 ;;
     profile-*)   # minirl's step (launch defaults) with its last step's phases under torch.profiler
       IFS=- read -r _ shape tokens <<< "$stage"
       timeout 600 python benchmarks/step.py --shape "qwen3-$shape" --max-tokens "$tokens" --steps 4 --warmup 1 \
@@ -48,6 +49,9 @@ for stage in "$@"; do
     episodes-vllm)   # the same with vLLM's own compilation (torch.compile, FULL_AND_PIECEWISE graphs)
       timeout 420 python benchmarks/episodes.py --compilation-config '{}' \
         --out "$out/episodes_h200_qwen3-0.6b_vllm.json" 2>&1 | grep -v "^\[" | tail -8 ;;
+    episodes-decode)   # decode-only CUDA graphs without torch.compile (the earlier default), same workload
+      timeout 420 python benchmarks/episodes.py --compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}' \
+        --out "$out/episodes_h200_qwen3-0.6b_decode.json" 2>&1 | grep -v "^\[" | tail -8 ;;
     episodes-admit*)   # minirl's engine default, new turns admitted together every N steps: episodes-admitN
       timeout 420 python benchmarks/episodes.py --admit-wait-steps "${stage#episodes-admit}" \
         --out "$out/episodes_h200_qwen3-0.6b_${stage#episodes-}.json" 2>&1 | grep -v "^\[" | tail -8 ;;

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -77,7 +78,7 @@ def run_minirl(args, model: str) -> dict:
     run_dir = Path(args.work) / f"minirl-{args.shape}-{args.max_tokens}-{int(time.time())}"   # a fresh metrics.jsonl
     argv = ["--model", model, "--prompts", str(args.prompts), "--group-size", str(args.group_size),
             "--max-tokens", str(args.max_tokens), "--max-model-len", str(args.max_tokens + 64),
-            "--steps", str(args.steps), "--backends", "", "--run-dir", str(run_dir)]
+            "--steps", str(args.steps), "--backends", "", "--run-dir", str(run_dir), *args.minirl_args]
     if args.profile:
         _profile_last_step(mod, args)
     mem = MemorySampler()
@@ -245,6 +246,8 @@ def main():
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--out", default=None)
     p.add_argument("--profile", default=None, metavar="DIR", help="minirl: profile the last step into DIR")
+    p.add_argument("--minirl-args", type=shlex.split, default=[], metavar="ARGS",
+                   help="more launch/colocated.py flags, one string (e.g. --compilation-config '{...}')")
     p.add_argument("--side", help=argparse.SUPPRESS)
     args = p.parse_args()
     model = str(Path(args.models_dir) / args.shape)

@@ -74,6 +74,8 @@ def parse_args(doc: str, run_dir: str, argv=None):
     add("--save-every", type=int, default=0, metavar="K", help="checkpoint every K steps (0: never)")
     add("--resume", action="store_true", help="continue from the latest checkpoint in RUN_DIR")
     add("--eager", action="store_true", help="vLLM without CUDA graphs (always so on CPU)")
+    add("--compilation-config", type=json_object, default=None, metavar="JSON",
+        help='vLLM\'s compilation_config (default: vLLM\'s own), e.g. \'{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}\'')
     add("--no-verify", action="store_true", help="skip the check of every weight sync")
     add("--no-sync", action="store_true", help="(co-located) ablation: never load trained weights into vLLM")
     add("--sleep-level", type=int, default=None, choices=[0, 2], help="(co-located) default: planned")
@@ -139,10 +141,23 @@ def manager_config(args):
                                kv_cache_gib=args.kv_cache_gib)
 
 
+def json_object(text: str) -> dict:
+    """argparse type: a JSON object (e.g. vLLM's compilation_config)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): give an object such as '{{\"mode\": 0}}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is JSON but not an object: give one such as '{{\"mode\": 0}}'")
+    return value
+
+
 def llm_kwargs(args) -> dict:
     kw = {"max_model_len": args.max_model_len, "max_num_seqs": min(1024, args.prompts * args.group_size)}
     if getattr(args, "gpu_memory_utilization", None) is not None:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if getattr(args, "compilation_config", None) is not None:
+        kw["compilation_config"] = args.compilation_config
     return {**kw, "enforce_eager": True} if args.eager else kw
 
 

@@ -45,6 +45,8 @@ def _error(argv, capsys) -> str:
     (["--max-tokens", "8", "--overlong-cache", "9"], "--overlong-cache must be in [0, --max-tokens=8], got 9"),
     (["--max-tokens", "256"], "--max-tokens 256 must be < --max-model-len 256 (the prompt needs room)"),
     (["--task", "gsm9k"], "argument --task: invalid choice: 'gsm9k'"),
+    (["--compilation-config", "mode=0"], "argument --compilation-config: not JSON"),
+    (["--compilation-config", "[0]"], "'[0]' is JSON but not an object"),
 ])
 def test_nonsense_values_fail_at_parse_time(argv, message, capsys):
     assert message in _error(argv, capsys)
@@ -56,6 +58,8 @@ def test_defaults_and_good_values_parse():
     args = common.parse_args("doc", "runs/x", ["--task", "gsm8k", "--data", "d.jsonl", "--eval-size", "8",
                                                "--eval-every", "2", "--no-thinking", "--max-tokens", "8"])
     assert (args.task, args.eval_size, args.thinking) == ("gsm8k", 8, False)
+    args = common.parse_args("doc", "runs/x", ["--compilation-config", '{"mode": 0}'])
+    assert common.llm_kwargs(args)["compilation_config"] == {"mode": 0}
 
 
 def test_eval_schedule():
