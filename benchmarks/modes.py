@@ -18,6 +18,8 @@ first, then those with one, within --budget seconds; cells left over are reporte
 
     python benchmarks/modes.py --out $OUT/modes                         # one H200, < 9 min
     python benchmarks/modes.py --shapes tiny --modes full,lora --steps 1 --out /tmp/modes   # CPU smoke
+    python benchmarks/modes.py --merge benchmarks/results/2026-12-01-d/lease_a/modes_h200_partial.json --out $OUT/modes
+                                      # the cells that run has not measured (its rows are kept, marked)
 
 Writes OUT/modes.json (every cell, its steps, device, versions) and OUT/modes.md (the table).
 Hardware: one CUDA GPU; CPU with --shapes tiny (no memory figures there).
@@ -122,6 +124,7 @@ def main():
     add("--micro-batch-tokens", type=int, default=8192), add("--kv-cache-gib", type=float, default=4.0)
     add("--budget", type=float, default=510, help="seconds for all cells (models built inside)")
     add("--out", default=str(ROOT / "benchmarks/results/modes"))
+    add("--merge", default=None, metavar="MODES_JSON", help="keep the cells an earlier run measured; run the rest")
     add("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
@@ -142,8 +145,12 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     doc = {"device": torch.cuda.get_device_name() if cuda else "cpu", "versions": _versions(),
            "minirl": _commit(str(ROOT)), "argv": sys.argv[1:], "cells": {}}
+    done = json.loads(Path(args.merge).read_text())["cells"] if args.merge else {}
     for shape, mode, ref in cells(args):
         name = f"{shape}:{mode}:{'ref' if ref else 'noref'}"
+        if "step_s" in done.get(name, {}):
+            doc["cells"][name] = {**done[name], "from": args.merge}
+            continue
         model = Path(args.models_dir) / shape
         left = args.budget - (time.perf_counter() - start)
         if left < 20:
@@ -196,8 +203,9 @@ def markdown(doc, args) -> str:
             continue
         med = lambda k: sorted(s[k] for s in c["steps"])[len(c["steps"]) // 2]    # noqa: E731
         gib = lambda v: "-" if v is None else f"{v:.1f}"                            # noqa: E731
+        note = f"earlier run ({Path(c['from']).name})" if "from" in c else ""
         rows.append(f"{head} {c['step_s']:.2f} | {med('generate_s'):.2f} | {med('train_s'):.2f} | "
-                    f"{gib(c['peak_device_gib'])} | {gib(c['peak_torch_gib'])} | {c['sleep_level']} | |")
+                    f"{gib(c['peak_device_gib'])} | {gib(c['peak_torch_gib'])} | {c['sleep_level']} | {note} |")
     return "\n".join(rows) + "\n"
 
 
