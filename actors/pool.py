@@ -3,7 +3,7 @@
     pool = GeneratorPool(model, "rollouts", namespace, gen_kwargs, resources=..., seed=0)
     pool.add(); pool.remove(wid); pool.watch()      # watch: until the queue is finished
 
-Each generator runs its own lease -> generate -> put loop (GenerationActor.run); the pool starts
+Each generator keeps prompts_per_call prompts in flight (GenerationActor.run); the pool starts
 those loops, starts one again after its actor died and came back (the queue gets the dead one's
 leased prompts back at once), grows (add: a pending placement group asks the autoscaler for a
 node) and shrinks (remove: drains first). After the queue's actor restarted, watch hands the ready
@@ -30,7 +30,7 @@ class GeneratorPool:
         self.per_call, self.timeout, self.ready_timeout = prompts_per_call, call_timeout_s, ready_timeout_s
         self.generators: dict[str, dict] = {}   # worker_id -> {"actor", "pg", "ready", "run", ...}
         self.stats = {"prompts": 0, "tokens": 0, "failures": 0, "stale_waits": 0,   # + the engines' loads
-                      "loads": 0, "load_s": 0.0, "loads_in_flight": 0}
+                      "loads": 0, "load_s": 0.0, "loads_in_flight": 0, "busy_s": 0.0, "serve_s": 0.0}
         self.stopped = False                    # stop(): watch() returns
 
     def add(self, resources: dict | None = None, *, wait: bool = True) -> str:

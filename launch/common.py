@@ -297,6 +297,8 @@ def start_server(args):
                         queue_size=args.prompts * (args.max_staleness + 1), resources=args.gen_resources,
                         prompts_per_call=max(1, 256 // args.group_size),   # in flight: the engine's max_num_seqs
                         seed=args.seed, llm_kwargs={**llm_kwargs(args), "max_num_seqs": 256})
+    import ray                           # admission from the first lease: the trainer's bound before it connects
+    ray.get(srv.queue.set_max_staleness.remote(args.max_staleness, args.prompts), timeout=60)
     if args.resume:                      # prompts trained before the checkpoint never come back
         print("restored:", srv.restore(Path(args.run_dir) / "checkpoints"))
     srv.submit(prompts, metadata=answers, skip_known=args.resume)

@@ -254,6 +254,7 @@ class EpisodeRunner:
         self._failed: BaseException | None = None    # a done() callback raised: the session ends
         self._limit: asyncio.Semaphore | None = None
         self._pool = None                            # reward threads (made on first use)
+        self.stats.update(busy_s=0.0, serve_s=0.0)   # seconds in engine steps / in sessions
         self.between_steps: Callable[[], None] | None = None   # e.g. an in-flight weight load
 
     def decode(self, ids: list[int]) -> str:
@@ -407,6 +408,7 @@ class EpisodeRunner:
     async def _serve(self, feed: Callable[[], bool], idle_s: float) -> None:
         self._loop, self._work, self._failed = asyncio.get_running_loop(), asyncio.Event(), None
         self._limit = asyncio.Semaphore(self.config.max_concurrent or 1 << 30)
+        t_start = time.perf_counter()
         try:
             while True:
                 if self._failed is not None:
@@ -415,7 +417,9 @@ class EpisodeRunner:
                     return
                 busy = bool(self._futures)
                 if busy:
+                    t0 = time.perf_counter()
                     self._step()
+                    self.stats["busy_s"] += time.perf_counter() - t0
                 if self.between_steps is not None:
                     self.between_steps()               # e.g. a weight load: the next step samples with it
                 if busy:
@@ -436,6 +440,7 @@ class EpisodeRunner:
             self._running.clear()
             self._groups.clear()
             self._loop = self._work = None
+            self.stats["serve_s"] += time.perf_counter() - t_start
 
     async def reward(self, fn: Callable, *args):
         """fn(*args) off the engine loop: an async function awaited, a sync one in a worker thread;

@@ -69,7 +69,7 @@ class Generator:
         self._serving = False
         self._mailbox: collections.deque = collections.deque()   # engine calls of other threads
         self._tasks: set = set()                 # their awaitables running in the session (a probe)
-        self.stats = {"loads": 0, "load_s": 0.0, "loads_in_flight": 0}
+        self.stats = {"loads": 0, "load_s": 0.0, "loads_in_flight": 0, "busy_s": 0.0, "serve_s": 0.0}
 
     @property
     def policy_version(self) -> int:
@@ -141,8 +141,11 @@ class Generator:
                 raise errors[0]
             while inbox and not any(job.exclusive for job in self._mailbox):
                 item = inbox.popleft()
-                self.runner.start_group(self.episode, item.prompt, group_size=self.group_size, uid=item.uid,
-                                        metadata=item.metadata, done=lambda r, it=item: out.put((it, r)))
+                try:                             # e.g. a prompt the tokenizer refuses: that prompt's failure
+                    self.runner.start_group(self.episode, item.prompt, group_size=self.group_size, uid=item.uid,
+                                            metadata=item.metadata, done=lambda r, it=item: out.put((it, r)))
+                except Exception as e:
+                    out.put((item, e))
             return not (over[0] and not inbox and not self._mailbox and not self._tasks)
 
         threads = [threading.Thread(target=f, daemon=True, name=f"gen-{f.__name__}") for f in (feeder, deliverer)]
@@ -164,6 +167,7 @@ class Generator:
                     job.run_direct()
                 for t in threads:
                     t.join(join_s)
+                self.stats.update(busy_s=self.runner.stats["busy_s"], serve_s=self.runner.stats["serve_s"])
         if errors:
             raise errors[0]
 
@@ -229,6 +233,8 @@ class Generator:
         return self._in_engine(direct, session, timeout_s=timeout_s)
 
     def _load(self, version: int, buckets, probe: bool) -> dict:
+        if probe and self._fingerprint is None:   # after an unchecked load: what this one starts from
+            self._fingerprint = vc.fingerprint(self.llm)
         t0 = time.perf_counter()
         with vc.weight_update(self.llm) as load:
             for bucket in buckets:
@@ -248,6 +254,8 @@ class Generator:
         if probe:
             fp, self._fingerprint = self._fingerprint, vc.fingerprint(self.llm)
             out["changed"] = fp != self._fingerprint
+        else:
+            self._fingerprint = None              # unknown until the next checked load
         return out
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:

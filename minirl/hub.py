@@ -33,7 +33,8 @@ By (a) the prompts due at version t never outnumber B, by (b) they are all in st
 max_staleness=0 stays on-policy: B prompts per version, all trained before the next one. The old
 rule (take the oldest-finished batches, re-queue those past their deadline: "recycled_stale")
 stays as a safety net for batches that arrive late anyway (a restored buffer, admission=False,
-a trainer taking other batch sizes); it counts every such prompt.
+prompts leased before the trainer set its bound, a trainer taking several batches per version); it
+counts every such prompt. With admission the leases bound the buffer, so a put never waits.
 
 actors/queue.py wraps a hub in an async Ray actor with blocking calls. Tests: `pytest
 tests/test_hub.py`. Hardware: CPU (any).
@@ -221,7 +222,9 @@ class RolloutHub:
         uids = [self._pending.popitem(last=False)[0] for _ in range(k)]
         self._leases.update(dict.fromkeys(uids, worker_id))
         for u in uids:
-            self._deadline[u], self._order[u] = due, self._leases_made
+            if self.max_staleness is not None:       # else due when the trainer sets it (_due)
+                self._deadline[u] = due
+            self._order[u] = self._leases_made
             self._leases_made += 1
         return [replace(self._items[u]) for u in uids]
 
@@ -241,8 +244,9 @@ class RolloutHub:
         return len(uids)
 
     def space(self) -> int:
-        """Free batch slots (0 when full)."""
-        return max(0, self.max_batches - len(self._buffer))
+        """Free batch slots (0 when full). With admission the leases bound the buffer (at most
+        max_batches open), so a put never waits: a step may be waiting for exactly that batch."""
+        return max(1 if self._admits() else 0, self.max_batches - len(self._buffer))
 
     def put_batches(self, worker_id: str, batches: list) -> int:
         """Buffer RolloutBatches (.uid = their PromptItem's; all checked first); returns how many were

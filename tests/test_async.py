@@ -159,7 +159,8 @@ def test_episodes_on_the_async_backend_every_prompt_once(ray_local, tiny_model):
     out = ray.get(trainer.run.remote(episode_loop), timeout=600)
     stats = srv.wait(timeout_s=120)
     assert sorted(out["uids"]) == list(range(12)) and stats["failures"] == 0   # each trained once
-    assert len(out["episodes"]) == 48 and set(map(str, out["episodes"])) == {"([1, 0, 0, 1], 2, 'stop')"}
+    assert len(out["episodes"]) == 48 and {str(e[:2]) for e in out["episodes"]} == {"([1, 0, 0, 1], 2)"}
+    assert {e[2] for e in out["episodes"]} <= {"stop", "length"}      # the answer turn's vLLM finish reason
     srv.shutdown(remove_queue=True)
     ray.get(trainer.close.remote()); ray.kill(trainer); ray.util.remove_placement_group(pg)
 

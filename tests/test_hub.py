@@ -495,3 +495,19 @@ def test_admission_counts_by_deadline():
     hub.put_batches("a", [batch(0, 0), batch(1, 0)])
     assert [b.uid for b in hub.take_batches(2)] == [0, 1]
     assert hub.stats()["recycled_stale"] == 0
+
+
+def test_put_never_waits_under_admission_for_the_batches_a_step_waits_for():
+    """Prompts leased before the trainer announced its bound (no admission yet) fill the buffer with
+    newer batches; the step then waits for the older leased ones, whose put must not wait for room
+    (it would never come: a deadlock until the timeout)."""
+    hub = RolloutHub(max_batches=2)
+    hub.add_prompts(prompts(range(4)))
+    assert uids(hub.take_prompts("a", 4, version=0)) == [0, 1, 2, 3]
+    hub.put_batches("a", [batch(1, version=1), batch(2, version=1)])
+    assert hub.space() == 0
+    hub.set_max_staleness(0, 2)
+    assert hub.take_batches(2) is None and hub.stats()["waited_for_old"] == 2   # 0 and 3 are due first
+    assert hub.space() >= 1
+    hub.put_batches("a", [batch(3), batch(0)])
+    assert uids(hub.take_batches(2)) == [0, 3] and uids(hub.take_batches(2)) == [1, 2]

@@ -112,6 +112,7 @@ def test_continuous_serving_delivers_every_group_once_and_failures_by_uid(gen):
         v = g.policy_version
         assert all(len(b) == 2 and b[0].info["versions"] == (v, v) for bs, _ in got for b in bs)
         assert g.runner.stats["requests"] - before[2]["requests"] == 12
+        assert 0 < g.runner.stats["busy_s"] - before[2]["busy_s"] < g.runner.stats["serve_s"] - before[2]["serve_s"]
     finally:
         g.episode, g.group_size = before[:2]
 
@@ -179,3 +180,14 @@ def test_staleness_metrics_histogram_and_spans():
     assert m["async/rollouts_spanning_versions"] == 2
     assert (m["async/staleness_0"], m["async/staleness_1"], m["async/staleness_over"]) == (1, 2, 1)
     assert m["async/staleness_max"] == 3 and m["async/staleness_mean"] == pytest.approx(5 / 4)
+
+
+def test_checked_load_after_an_unchecked_one_reports_what_it_changed(gen, tiny_model):
+    """A bootstrap load (no probe) then the trainer's checked push of the same weights: `changed` is
+    False (measured from the weights the push found, not from the last checked load's)."""
+    from safetensors.torch import load_file
+    original = list(load_file(f"{tiny_model}/model.safetensors").items())
+    before = gen.policy_version
+    gen.load_weights(before + 1, [original])                                     # unchecked
+    assert not gen.load_weights(before + 1, [original], probe_ids=[3, 4])["changed"]
+    assert gen.load_weights(before + 2, [certain_weights(tiny_model)], probe_ids=[3, 4])["changed"]
