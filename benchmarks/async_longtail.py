@@ -268,7 +268,8 @@ def markdown(doc) -> str:
     lines = [f"# long-tail workload: {s['shape']}, {s['gpus']} GPU(s)", "",
              f"{s['prompts']} prompts x {s['group_size']} samples a step, lengths log-normal (median "
              f"{s['median']:g}, sigma {s['sigma']:g}, cap {s['cap']}), {s['steps']} steps, {s['warmup']} warm-up.", "",
-             "| | trained tokens/s | engine busy | pause / update (s) | staleness | recycled |", "|---|---|---|---|---|---|"]
+             "| | trained tokens/s | engine busy | pause / update (s) | staleness | recycled |",
+             "|---|---|---|---|---|---|"]
     if "trained_tokens_per_s" in c:
         lines.append(f"| co-located ({c['ranks']} ranks) | {c['trained_tokens_per_s']:.0f} | {c['engine_busy']:.0%} | "
                      "- | 0 | 0 |")
