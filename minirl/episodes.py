@@ -312,8 +312,13 @@ class EpisodeRunner:
             self._held_steps += 1
             return
         for rid, (ids, params) in self._held.items():
-            self.vc.add_request(self.llm, rid, ids, params)
-        self._running.update(self._held)
+            try:
+                self.vc.add_request(self.llm, rid, ids, params)
+            except Exception as e:                   # this request only (ids vLLM refuses): its episode fails
+                if (fut := self._futures.pop(rid, None)) is not None and not fut.done():
+                    fut.set_exception(e)
+                continue
+            self._running.add(rid)
         self.stats["admissions"] += 1
         self._held.clear()
         self._held_steps = 0

@@ -191,3 +191,14 @@ def test_checked_load_after_an_unchecked_one_reports_what_it_changed(gen, tiny_m
     gen.load_weights(before + 1, [original])                                     # unchecked
     assert not gen.load_weights(before + 1, [original], probe_ids=[3, 4])["changed"]
     assert gen.load_weights(before + 2, [certain_weights(tiny_model)], probe_ids=[3, 4])["changed"]
+
+
+def test_a_prompt_the_engine_refuses_fails_alone(gen):
+    """Token ids out of the vocabulary: vLLM refuses the request when it enters; that prompt is a
+    failure naming it, the others are delivered and the session goes on."""
+    got = []
+    items = [PromptItem(uid=u, prompt=p) for u, p in (("a", [5, 6]), ("bad", [5, 99999]), ("b", [7, 8]))]
+    serve_in_thread(gen, items, 3, got).join(60)
+    assert sorted(b.uid for bs, _ in got for b in bs) == ["a", "b"]
+    (uid, cause), = [f for _, fs in got for f in fs]
+    assert uid == "bad" and "prompt uid='bad'" in cause and "out of vocabulary" in cause
