@@ -107,7 +107,7 @@ class TrainWorker:
         if self.rank.world_size > 1:
             dist.broadcast_object_list(box, src=0)
         self.trainer.policy_version = box[0]
-        self.pusher._fps.clear()     # checksums of versions another trainer made (or its own pre-restore weights)
+        self.pusher.forget_checksums()   # of versions another trainer made, or its own pre-restore weights
         self.sync_weights()
         return out
 

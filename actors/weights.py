@@ -90,6 +90,10 @@ class WeightPusher:
                  gen_load_s=max(loads, default=0.0), policy_version=float(version))
         return t
 
+    def forget_checksums(self) -> None:
+        """After a restore: the checksums kept so far belong to weights no generator will report."""
+        self._fps.clear()
+
     def _broadcast_to(self, gens: dict, version: int, t: dict):
         """(acks, ship): generators start receiving, then ship(bucket) broadcasts each bucket."""
         from minirl.distributed import free_port

@@ -279,9 +279,8 @@ class EpisodeRunner:
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """log p(token t | <t), t >= 1, of a token prompt on the engine's current weights, as one request
         among the running ones (vllm_compat.prompt_logprobs' numbers, without stepping anyone else)."""
-        params = self.vc.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        out, _ = await self.request(list(token_ids), params)
-        return [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], token_ids[1:])]
+        out, _ = await self.request(list(token_ids), self.vc.prompt_logprob_params())
+        return self.vc.read_prompt_logprobs(out, token_ids)
 
     @property
     def requests_in_flight(self) -> int:

@@ -183,9 +183,19 @@ def is_sleeping(llm: LLM) -> bool:
 
 def prompt_logprobs(llm: LLM, token_ids: list[int]) -> list[float]:
     """log p(token t | <t), t >= 1, of a token prompt as the engine computes it (raw: no temperature)."""
-    sp = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-    out = LLM.generate(llm, [TokensPrompt(prompt_token_ids=list(token_ids))], sp, use_tqdm=False)[0]
-    return [d[tok].logprob for d, tok in zip(out.prompt_logprobs[1:], token_ids[1:])]
+    out = LLM.generate(llm, [TokensPrompt(prompt_token_ids=list(token_ids))], prompt_logprob_params(),
+                       use_tqdm=False)[0]
+    return read_prompt_logprobs(out, token_ids)
+
+
+def prompt_logprob_params() -> SamplingParams:
+    """A request that only scores its prompt (one sampled token, discarded)."""
+    return SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+
+
+def read_prompt_logprobs(output, token_ids: list[int]) -> list[float]:
+    """The prompt's log-probs (t >= 1) out of a finished RequestOutput of prompt_logprob_params()."""
+    return [d[tok].logprob for d, tok in zip(output.prompt_logprobs[1:], token_ids[1:])]
 
 
 def shutdown(llm: LLM) -> None:

@@ -142,6 +142,11 @@ def test_trainer_killed_alone_and_resumed_trains_every_prompt_once(ray_local, ti
     while srv.queue_stats()["delivered"] < kill_at and time.time() < deadline:
         time.sleep(0.05)
     time.sleep(rng.uniform(0, 1.0))
+    while time.time() < deadline:            # the trainer has pulled past its newest checkpoint
+        latest = Checkpointer(root).latest()
+        if latest is not None and len(read_state(latest)["state"]["trained_uids"]) < srv.queue_stats()["delivered"]:
+            break
+        time.sleep(0.05)
     ray.kill(trainer)                        # the server and the generator keep running
     ray.util.remove_placement_group(pg)
     with pytest.raises(ray.exceptions.RayActorError):
@@ -154,7 +159,9 @@ def test_trainer_killed_alone_and_resumed_trains_every_prompt_once(ray_local, ti
     (version, gen_versions, before), trained, final = ray.get(trainer.run.remote(_resume, root), timeout=600)
     srv.wait(timeout_s=120)
     assert before == ck["trained_uids"]
-    assert version > lost_version and gen_versions == {version}    # back on the restored weights
+    ck_version = read_state(Checkpointer(root).latest())["state"]["policy_version"]
+    assert version == (lost_version + 1 if lost_version > ck_version else ck_version)   # never reused
+    assert gen_versions == {version}                                # back on the restored weights
     assert sorted(trained) == list(range(N)) and set(Counter(trained).values()) == {1}
     assert srv.queue_stats()["rolled_back"] > 0
     info = [ray.get(g["actor"].info.remote(), timeout=60) for g in srv.generators.values()]
