@@ -24,7 +24,6 @@ import json
 import math
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -239,26 +238,10 @@ def main():
     if args.child:
         Path(args.work, "child.json").write_text(json.dumps(child(args.child, args)))
         return
-    out = Path(args.out or ROOT / "benchmarks/results" / f"longtail_{args.shape}_{args.gpus}gpu.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"settings": {k: v for k, v in vars(args).items() if k not in ("child", "out")}, "parts": {}}
-    for part in args.parts.split(","):
-        log(f"{part} ...")
-        Path(args.work, "child.json").unlink(missing_ok=True)
-        t0 = time.time()
-        try:
-            r = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", part],
-                               timeout=args.timeout + 120, capture_output=True, text=True)
-            ok = r.returncode == 0 and Path(args.work, "child.json").exists()
-            doc["parts"][part] = (json.loads(Path(args.work, "child.json").read_text()) if ok
-                                  else {"error": r.stderr[-3000:]})
-        except subprocess.TimeoutExpired:
-            doc["parts"][part] = {"error": f"timed out after {args.timeout + 120} s"}
-        doc["parts"][part]["wall_s"] = time.time() - t0
-        log(f"{part}: {json.dumps(doc['parts'][part])[:600]}")
-        out.write_text(json.dumps(doc, indent=1))
-    out.with_suffix(".md").write_text(markdown(doc))
-    print(markdown(doc))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from async_rl import run_parts                     # each part in a fresh process, results as they finish
+    run_parts(args, Path(args.out or ROOT / "benchmarks/results" / f"longtail_{args.shape}_{args.gpus}gpu.json"),
+              markdown, grace_s=120)
 
 
 def markdown(doc) -> str:

@@ -246,7 +246,13 @@ def main():
         res = child(args.child, args)
         Path(args.work, "child.json").write_text(json.dumps(res))
         return
-    out = Path(args.out or ROOT / "benchmarks/results" / f"async_{args.shape}_{args.gpus}gpu.json")
+    run_parts(args, Path(args.out or ROOT / "benchmarks/results" / f"async_{args.shape}_{args.gpus}gpu.json"),
+              markdown, grace_s=60)
+
+
+def run_parts(args, out: Path, markdown, grace_s: float) -> dict:
+    """Each of args.parts in a fresh process (this script with --child PART, which writes
+    WORK/child.json), within args.timeout + grace_s; writes out (JSON) and its .md as parts finish."""
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"settings": {k: v for k, v in vars(args).items() if k not in ("child", "out")}, "parts": {}}
     for part in args.parts.split(","):
@@ -254,18 +260,19 @@ def main():
         Path(args.work, "child.json").unlink(missing_ok=True)
         t0 = time.time()
         try:
-            r = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", part],
-                               timeout=args.timeout + 60, capture_output=True, text=True)
+            r = subprocess.run([sys.executable, sys.argv[0], *sys.argv[1:], "--child", part],
+                               timeout=args.timeout + grace_s, capture_output=True, text=True)
             ok = r.returncode == 0 and Path(args.work, "child.json").exists()
             doc["parts"][part] = (json.loads(Path(args.work, "child.json").read_text()) if ok
                                   else {"error": r.stderr[-3000:]})
         except subprocess.TimeoutExpired:
-            doc["parts"][part] = {"error": f"timed out after {args.timeout + 60} s"}
+            doc["parts"][part] = {"error": f"timed out after {args.timeout + grace_s} s"}
         doc["parts"][part]["wall_s"] = time.time() - t0
         log(f"{part}: {json.dumps(doc['parts'][part])[:600]}")
         out.write_text(json.dumps(doc, indent=1))
     out.with_suffix(".md").write_text(markdown(doc))
     print(markdown(doc))
+    return doc
 
 
 def markdown(doc):
