@@ -10,7 +10,8 @@ with LoRA the base model is the reference; with full/offload a second model, on 
 offload). Fixed settings for every cell, so that cells compare and start fast: activation
 checkpointing on, layers not compiled, the engine asleep (level 2) while training with a --kv-cache-gib KV cache, eager
 (no CUDA graphs); the memory plan's start-up trial is skipped. Cells that
-minirl.colocated.estimate_memory says cannot fit are not started ("does not fit (estimate)"); a
+minirl.colocated.estimate_memory says cannot fit (on the device, or in host memory with offload) are
+not started ("does not fit (estimate)"); a
 cell that fails to fit reports the MemoryError's message. Peak memory: the device's used memory
 (total - free, polled every 20 ms: trainer, engine and caches together) and torch's peak
 allocation (the trainer's tensors). All cells without a reference run first, smallest shape
@@ -136,6 +137,7 @@ def main():
             res = {"error": f"does not fit: {e}"}
         print("RESULT " + json.dumps(res), flush=True)
         return
+    import psutil
     import torch
     from models import build_random_model
     from switch import _commit, _versions
@@ -166,6 +168,11 @@ def main():
                 doc["cells"][name] = {"error": f"does not fit (estimate: {est['needed'] / 2**30:.0f} GiB "
                                                "before activations)", "estimate": est}
                 continue
+            if est["host"] > psutil.virtual_memory().available:
+                doc["cells"][name] = {"error": f"does not fit in host memory (estimate: {est['host'] / 2**30:.0f}"
+                                               f" GiB, {psutil.virtual_memory().available / 2**30:.0f} GiB "
+                                               "available)", "estimate": est}
+                continue
         t0 = time.perf_counter()
         try:
             res = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--worker", name],
@@ -191,21 +198,21 @@ def _failure(stderr: str) -> str:
 def markdown(doc, args) -> str:
     rows = [f"# Training modes co-located on one {doc['device']} (minirl {doc['minirl']})\n",
             f"`python benchmarks/modes.py {' '.join(doc['argv'])}`: {args.prompts} prompts x "
-            f"{args.group_size} completions x {args.max_tokens} tokens per step, median of {args.steps} "
-            f"steps after a warm-up; engines eager; total {doc.get('total_s', 0):.0f} s.\n",
+            f"{args.group_size} completions x {args.max_tokens} tokens per step, median of the timed "
+            f"steps after a warm-up (column 'steps'); engines eager; total {doc.get('total_s', 0):.0f} s.\n",
             "| shape | mode | reference | step s | generate s | train s | peak device GiB | peak torch GiB | "
-            "sleep level | note |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+            "sleep level | steps | note |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, c in doc["cells"].items():
         shape, mode, ref = name.split(":")
         head = f"| {shape} | {mode} | {'yes' if ref == 'ref' else 'no'} |"
         if "error" in c:
-            rows.append(f"{head} | | | | | | {c['error'][:300].replace('|', '/')} |")
+            rows.append(f"{head} | | | | | | | {c['error'][:300].replace('|', '/')} |")
             continue
         med = lambda k: sorted(s[k] for s in c["steps"])[len(c["steps"]) // 2]    # noqa: E731
         gib = lambda v: "-" if v is None else f"{v:.1f}"                            # noqa: E731
         note = f"earlier run ({Path(c['from']).name})" if "from" in c else ""
         rows.append(f"{head} {c['step_s']:.2f} | {med('generate_s'):.2f} | {med('train_s'):.2f} | "
-                    f"{gib(c['peak_device_gib'])} | {gib(c['peak_torch_gib'])} | {c['sleep_level']} | {note} |")
+                    f"{gib(c['peak_device_gib'])} | {gib(c['peak_torch_gib'])} | {c['sleep_level']} | {len(c['steps'])} | {note} |")
     return "\n".join(rows) + "\n"
 
 

@@ -59,7 +59,7 @@ for stage in "$@"; do
       timeout 420 python benchmarks/gsm8k_recipe.py --steps "${GSM8K_STEPS:-4}" \
         --out "$out/gsm8k_recipe_h200_qwen3-0.6b.json" 2>&1 | grep -v "^\[" | tail -8 ;;
     modes)   # which modes fit co-located on one GPU, 0.6B-8B shapes
-      python benchmarks/modes.py --budget "${MODES_BUDGET:-510}" ${MODES_MERGE:+--merge "$MODES_MERGE"} \
+      python benchmarks/modes.py --budget "${MODES_BUDGET:-510}" --steps "${MODES_STEPS:-2}" ${MODES_MERGE:+--merge "$MODES_MERGE"} \
         --out "$out/modes_h200" 2>&1 | grep -v "^\[" | tail -40 ;;   # MODES_MERGE=an earlier modes.json
     lora-serving)   # LoRA served as merged weights vs as a vLLM adapter: tokens/s, sync, GRPO step, Qwen3-0.6B shape
       timeout 590 python benchmarks/lora_serving.py --out "$out/lora_serving_h200_qwen3-0.6b.json" 2>&1 | grep -v "^\[" | tail -8 ;;

@@ -80,7 +80,10 @@ class WeightManager:
             est = estimate_memory(model, cfg.trainer, world=int(os.environ.get("WORLD_SIZE", 1)),
                                   max_model_len=llm_kwargs.get("max_model_len"),
                                   trust_remote_code=cfg.trainer.trust_remote_code)
-            check_fits(est, torch.cuda.mem_get_info()[1], torch.cuda.get_device_name())
+            import psutil
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            check_fits(est, torch.cuda.mem_get_info()[1], torch.cuda.get_device_name(),
+                       host_available=psutil.virtual_memory().available / local)
 
         self.trainer = Trainer(model, cfg.trainer)
         self.device, self.rank = self.trainer.device, self.trainer.rank
@@ -235,7 +238,8 @@ def estimate_memory(model: str, trainer: TrainerConfig, *, world: int = 1,
     bf16 on CUDA), and the engine's bf16 weights + 4 GiB of working memory + a KV cache for two
     max_model_len-token sequences. Activations are not counted: measure_peak() measures them.
     "needed" = what stays resident while generating + the larger of the gradients and the engine
-    (sleep level 2 frees the engine while training)."""
+    (sleep level 2 frees the engine while training). "host" = what offload keeps in host memory
+    instead: fp32 weights, gradients and AdamW moments, and an offloaded reference."""
     from transformers import AutoConfig, AutoModelForCausalLM
     mc = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
@@ -246,7 +250,8 @@ def estimate_memory(model: str, trainer: TrainerConfig, *, world: int = 1,
                                          meta.named_modules() if isinstance(m, torch.nn.Linear)
                                          and name.rsplit(".", 1)[-1] in lora.target_modules)
     on_device = 0 if trainer.cpu_offload else 1
-    ref_on_device = trainer.reference and not (lora and not lora.also_train) and not trainer.reference_offload
+    separate_ref = trainer.reference and not (lora and not lora.also_train)
+    ref_on_device = separate_ref and not trainer.reference_offload
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * head_dim * 2
     est = {"weights": 4 * (n if lora is None else n + trained) / world * on_device,
@@ -254,13 +259,23 @@ def estimate_memory(model: str, trainer: TrainerConfig, *, world: int = 1,
            "reference": 2 * n / world * ref_on_device,
            "engine": n * 2 * 1.05 + 4 * GIB + 2 * (max_model_len or mc.max_position_embeddings) * per_token,
            "params": n, "trained_params": trained}
+    est["host_reference"] = 2 * n / world * (separate_ref and trainer.reference_offload)
+    est["host"] = (16 * trained + 4 * (n - trained if lora else 0)) / world * (1 - on_device) + est["host_reference"]
     resident = est["weights"] + est["optimizer"] + est["reference"]
     return est | {"needed": resident + max(est["gradients"], est["engine"])}
 
 
-def check_fits(est: dict[str, float], available: float, where: str) -> None:
-    """MemoryError when estimate_memory's `needed` exceeds `available` bytes: what each part
-    needs, what there is, and which levers (with what they save) would make it fit."""
+def check_fits(est: dict[str, float], available: float, where: str, host_available: float | None = None) -> None:
+    """MemoryError when estimate_memory's `needed` exceeds `available` bytes (or its `host` part
+    exceeds `host_available`): what each part needs, what there is, and which levers (with what
+    they save) would make it fit."""
+    if host_available is not None and est.get("host", 0) > host_available:
+        raise MemoryError(
+            f"offload does not fit in host memory: it keeps {est['host'] / GIB:.1f} GiB there (fp32 weights, "
+            f"gradients and AdamW state; {est['host_reference'] / GIB:.1f} GiB of it the reference), "
+            f"{host_available / GIB:.1f} GiB is available. Levers: LoRA (TrainerConfig(lora=LoRAConfig()), "
+            "launch --lora-rank 16) keeps only the adapters' state; more GPUs on more hosts (the state is "
+            "sharded); the reference on the device (reference_offload=False); or a smaller model.")
     if est["needed"] <= available:
         return
     g = {k: v / GIB for k, v in est.items() if k not in ("params", "trained_params")}

@@ -66,6 +66,13 @@ def test_memory_estimate_by_hand_and_the_error(tiny_model):
     assert lora["trained_params"] == 4096 and lora["optimizer"] == 8 * 4096
     off = estimate_memory(tiny_model, TrainerConfig(cpu_offload=True, reference=True), world=2)
     assert off["weights"] == off["optimizer"] == 0 and off["reference"] == 2 * n / 2
+    assert off["host"] == 16 * n / 2 and off["host_reference"] == 0     # fp32 weights, grads, AdamW: on the host
+    both = estimate_memory(tiny_model, TrainerConfig(cpu_offload=True, reference=True, reference_offload=True))
+    assert both["reference"] == 0 and both["host"] == 16 * n + 2 * n
+    check_fits(both, both["needed"], "this GPU", host_available=both["host"])
+    with pytest.raises(MemoryError, match=r"does not fit in host memory: it keeps 0\.0 GiB .* 0\.0 GiB is available.*LoRA"):
+        check_fits(both, both["needed"], "this GPU", host_available=both["host"] - 1)
+    assert full["host"] == 0
     check_fits(full, full["needed"], "this GPU")                          # exactly enough
     with pytest.raises(MemoryError) as e:
         check_fits(full | {"reference": 1.0 * GIB}, GIB, "an H200")
