@@ -141,7 +141,7 @@ def main():
     import torch
     from models import build_random_model
     from switch import _commit, _versions
-    from minirl.colocated import estimate_memory
+    from minirl.colocated import HOST_RESERVE, estimate_memory
     cuda, start = torch.cuda.is_available(), time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -168,10 +168,10 @@ def main():
                 doc["cells"][name] = {"error": f"does not fit (estimate: {est['needed'] / 2**30:.0f} GiB "
                                                "before activations)", "estimate": est}
                 continue
-            if est["host"] > psutil.virtual_memory().available:
+            if est["host"] and est["host"] + HOST_RESERVE > psutil.virtual_memory().available:
                 doc["cells"][name] = {"error": f"does not fit in host memory (estimate: {est['host'] / 2**30:.0f}"
-                                               f" GiB, {psutil.virtual_memory().available / 2**30:.0f} GiB "
-                                               "available)", "estimate": est}
+                                               f" GiB + {HOST_RESERVE / 2**30:.0f} GiB for the process, "
+                                               f"{psutil.virtual_memory().available / 2**30:.0f} GiB available)", "estimate": est}
                 continue
         t0 = time.perf_counter()
         try:

@@ -172,13 +172,18 @@ def check_tolerance(tolerance) -> None:
 def check_sync(gap: float, stuck: bool, *, tolerance: float | None, engine_dtype: torch.dtype,
                where: str, version: int) -> None:
     """Raise SyncError when the engine's weights did not change although the trainer's did
-    (`stuck`), or the probe gap exceeds the tolerance (default 2e-3 for fp32 engines, else 0.05)."""
+    (`stuck`), or the probe gap exceeds the tolerance (default 2e-3 for fp32 engines, else 0.1).
+    A correct bf16 sync's gap is rounding and grows with the model: 0.008 / 0.024 / 0.026 / 0.052 at
+    random-init Qwen3 0.6B / 1.7B / 4B / 8B shapes on an H200; an engine with noisy weights showed
+    0.56-2.2, and a load that changed nothing is caught by the checksums (`stuck`) whatever the gap."""
     check_tolerance(tolerance)
     if tolerance is None:
-        tolerance = 2e-3 if engine_dtype == torch.float32 else 0.05
+        tolerance = 2e-3 if engine_dtype == torch.float32 else 0.1
     if stuck:
         raise SyncError(f"weight sync changed nothing in {where} although the trainer's weights "
                         f"changed (policy version {version})")
     if not gap <= tolerance:
         raise SyncError(f"after sync, {where} and the trainer's log-probs of the probe differ by {gap:.4f} "
-                        f"(tolerance {tolerance}): {where} lacks the trainer's weights (version {version})")
+                        f"(tolerance {tolerance}): {where} lacks the trainer's weights (version {version}). If "
+                        "the weights are right and this is rounding (bf16 gaps grow with the model's size), set "
+                        "WeightManagerConfig(probe_tolerance=...) above the gap")

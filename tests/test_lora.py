@@ -14,7 +14,7 @@ from vllm import SamplingParams
 
 from conftest import run_py
 from minirl import parse_vllm_outputs, ppo_loss_fn
-from minirl.colocated import GIB, SyncError, WeightManager, WeightManagerConfig, check_fits, estimate_memory
+from minirl.colocated import GIB, HOST_RESERVE, SyncError, WeightManager, WeightManagerConfig, check_fits, estimate_memory
 from minirl.lora import LoRAConfig, merge_bucket
 from minirl.reference import kl_penalty
 from minirl.tasks import get_task
@@ -69,9 +69,9 @@ def test_memory_estimate_by_hand_and_the_error(tiny_model):
     assert off["host"] == 16 * n / 2 and off["host_reference"] == 0     # fp32 weights, grads, AdamW: on the host
     both = estimate_memory(tiny_model, TrainerConfig(cpu_offload=True, reference=True, reference_offload=True))
     assert both["reference"] == 0 and both["host"] == 16 * n + 2 * n
-    check_fits(both, both["needed"], "this GPU", host_available=both["host"])
-    with pytest.raises(MemoryError, match=r"does not fit in host memory: it keeps 0\.0 GiB .* 0\.0 GiB is available.*LoRA"):
-        check_fits(both, both["needed"], "this GPU", host_available=both["host"] - 1)
+    check_fits(both, both["needed"], "this GPU", host_available=both["host"] + HOST_RESERVE)
+    with pytest.raises(MemoryError, match=r"does not fit in host memory: it keeps 0\.0 GiB .* 8\.0 GiB is available.*LoRA"):
+        check_fits(both, both["needed"], "this GPU", host_available=both["host"] + HOST_RESERVE - 1)
     assert full["host"] == 0
     check_fits(full, full["needed"], "this GPU")                          # exactly enough
     with pytest.raises(MemoryError) as e:
