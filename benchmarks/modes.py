@@ -178,7 +178,7 @@ def main():
             res = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--worker", name],
                                  capture_output=True, text=True, timeout=left - 10)
             line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
-            cell = json.loads(line[7:]) if line else {"error": _failure(res.stderr)}
+            cell = json.loads(line[7:]) if line else {"error": _failure(res.returncode, res.stderr)}
         except subprocess.TimeoutExpired:
             cell = {"error": "not finished (time budget)"}
         doc["cells"][name] = {**cell, "process_s": time.perf_counter() - t0}
@@ -189,10 +189,14 @@ def main():
     (out / "modes.md").write_text(markdown(doc, args))
 
 
-def _failure(stderr: str) -> str:
-    """The last error line of a failed cell (an OOM or a traceback's message)."""
+def _failure(returncode: int, stderr: str) -> str:
+    """The last error line of a failed cell (an OOM or a traceback's message); a process killed
+    without one (e.g. the host out of memory) by its exit code."""
     lines = [x for x in stderr.splitlines() if "Error" in x or "error" in x]
-    return (lines[-1] if lines else stderr[-300:]).strip()[:400]
+    if lines:
+        return lines[-1].strip()[:400]
+    return f"the cell's process exited with code {returncode} and no Python error" + (
+        " (killed by a signal: e.g. the host out of memory)" if returncode < 0 or returncode == 137 else "")
 
 
 def markdown(doc, args) -> str:
