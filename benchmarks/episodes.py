@@ -11,8 +11,12 @@ appended after each turn but the last, following a tool wait drawn uniformly fro
 The baseline generates, on the same engine and path, E single-turn requests of each episode's total
 sampled length. Reported: sampled tokens/s of each (after a warm-up of both), and their ratio
 (target >= 0.9: tool waits hidden by concurrency); a raw `llm.generate` of the baseline as a check
-of the path's own overhead. Writes --out (JSON) and a markdown table beside it. Random-init weights
-(benchmarks/models.py), nothing downloaded. Hardware: one GPU (about 2 minutes), or CPU (smoke).
+of the path's own overhead. Where the time goes, per run: engine steps, seconds inside them
+(vllm_compat.recorded_steps) vs the loop's own (wall minus steps: admission, the asyncio loop, tool
+waits with nothing to step, Rollout assembly), ms per step, and the steps whose batch held prefill
+tokens (a prompt, a new turn) against decode-only ones, with their mean ms. Writes --out (JSON) and a
+markdown table beside it. Random-init weights (benchmarks/models.py), nothing downloaded.
+Hardware: one GPU (about 2 minutes), or CPU (smoke).
 """
 
 from __future__ import annotations
@@ -49,35 +53,60 @@ def episodes(runner, work: list[dict], prompts: list[list[int]]) -> dict:
                 await ep.call(asyncio.sleep, w["latency"][k])      # the tool's latency
                 ep.append(w["tool"][k])
         return 0.0
-    return timed(lambda: runner.run(episode, prompts))
+    return timed(runner.llm, lambda: runner.run(episode, prompts), runner)
 
 
 def single_turn(runner, work: list[dict], prompts: list[list[int]]) -> dict:
     async def episode(ep):
         await ep.generate(max_tokens=sum(work[ep.index]["lengths"]), ignore_eos=True)
         return 0.0
-    return timed(lambda: runner.run(episode, prompts))
+    return timed(runner.llm, lambda: runner.run(episode, prompts), runner)
 
 
-def timed(fn) -> dict:
-    t0 = time.perf_counter()
-    batches = fn()
-    wall = time.perf_counter() - t0
-    sampled = sum(sum(r.loss_mask) for b in batches for r in b)
-    return {"wall_s": round(wall, 3), "sampled_tokens": sampled, "tokens_per_s": round(sampled / wall, 1),
-            "turns": sum(r.info["turns"] for b in batches for r in b),
-            "episode_s": [r.info["episode_s"] for b in batches for r in b]}
+def timed(llm, fn, runner=None) -> dict:
+    """Run fn (RolloutBatches through runner, or llm.generate's outputs) with its engine steps recorded."""
+    from minirl import vllm_compat as vc
+    before = dict(runner.stats) if runner is not None else {}
+    with vc.recorded_steps(llm) as steps:
+        t0 = time.perf_counter()
+        batches = fn()
+        wall = time.perf_counter() - t0
+    if runner is None:
+        sampled = sum(len(o.outputs[0].token_ids) for o in batches)
+    else:
+        sampled = sum(sum(r.loss_mask) for b in batches for r in b)
+    out = {"wall_s": round(wall, 3), "sampled_tokens": sampled, "tokens_per_s": round(sampled / wall, 1)}
+    if runner is not None:
+        out.update(turns=sum(r.info["turns"] for b in batches for r in b),
+                   episode_s=[r.info["episode_s"] for b in batches for r in b],
+                   admissions=runner.stats["admissions"] - before["admissions"],
+                   busy_s=round(runner.stats["busy_s"] - before["busy_s"], 3),   # steps + admissions
+                   idle_s=round(runner.stats["idle_s"] - before["idle_s"], 3))   # every episode in a tool
+    return {**out, **step_summary(steps, wall - out.get("idle_s", 0.0))}
+
+
+def step_summary(steps: list[tuple], wall: float) -> dict:
+    """Engine steps of one run (vllm_compat.recorded_steps' records): how many, seconds inside them,
+    the rest of `wall` (the run's time less idle waits: the loop's own), mean ms a step; steps whose
+    batch held prefill tokens vs decode-only ones (None where the scheduler was out of reach)."""
+    ms = lambda xs: round(1e3 * sum(xs) / len(xs), 3) if xs else None
+    inside = sum(s for s, _, _ in steps)
+    prefill = [s for s, _, p in steps if p is True]
+    decode = [s for s, _, p in steps if p is False]
+    known = bool(prefill or decode)
+    return {"engine_steps": len(steps), "step_s": round(inside, 3), "loop_s": round(wall - inside, 3),
+            "ms_per_step": ms([s for s, _, _ in steps]),
+            "prefill_steps": len(prefill) if known else None, "prefill_ms": ms(prefill),
+            "decode_steps": len(decode) if known else None, "decode_ms": ms(decode),
+            "loop_ms_per_step": round(1e3 * (wall - inside) / len(steps), 3) if steps else None}
 
 
 def raw_generate(llm, work, prompts) -> dict:
     from minirl import vllm_compat as vc
     sps = [vc.SamplingParams(max_tokens=sum(w["lengths"]), ignore_eos=True, logprobs=0, detokenize=False)
            for w in work]
-    t0 = time.perf_counter()
-    outs = llm.generate([vc.TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"wall_s": round(wall, 3), "sampled_tokens": n, "tokens_per_s": round(n / wall, 1)}
+    return timed(llm, lambda: llm.generate([vc.TokensPrompt(prompt_token_ids=p) for p in prompts], sps,
+                                           use_tqdm=False))
 
 
 def main(argv=None):
@@ -119,18 +148,14 @@ def main(argv=None):
         warm = plan(args, args.seed + 99)
         episodes(runners[0], warm, prompts), single_turn(runners[0], warm, prompts)     # warm-up
         work = plan(args, args.seed)
-        multis = []
-        for r in runners:
-            before = dict(r.stats)
-            multis.append(episodes(r, work, prompts))
-            multis[-1].update({k: r.stats[k] - before[k] for k in ("steps", "admissions")})
+        multis = [episodes(r, work, prompts) for r in runners]
         single = single_turn(runners[0], work, prompts)
         raw = raw_generate(llm, work, prompts)
         vc.shutdown(llm)
     # No episode can end before its own tokens (as fast as in the single-turn run) plus its tool waits:
     bound = max(t + sum(w["latency"]) for t, w in zip(single.pop("episode_s"), work))
     for m, w in zip(multis, waits):
-        m.update(admit_wait_steps=w, engine_steps=m.pop("steps"), ratio=round(m["tokens_per_s"] / single["tokens_per_s"], 3))
+        m.update(admit_wait_steps=w, ratio=round(m["tokens_per_s"] / single["tokens_per_s"], 3))
         m.pop("episode_s")
     multi = multis[0]
     doc = {"config": vars(args), "engine_start_s": round(start_s, 1), "episodes": multi, "single_turn": single,
@@ -168,6 +193,13 @@ def markdown(doc) -> str:
               "|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {m['admit_wait_steps']} | {m['wall_s']} | {m['tokens_per_s']} | {m['ratio']} | {m['engine_steps']} | "
               f"{m['admissions']} |" for m in doc["admission"]]
+    keys = ("engine_steps", "step_s", "idle_s", "loop_s", "ms_per_step", "loop_ms_per_step", "prefill_steps",
+            "prefill_ms", "decode_steps", "decode_ms")
+    lines += ["", "Where the time goes: seconds inside engine steps, idle (every episode in a tool call, nothing "
+              "to step), the loop's own (the rest: admission, asyncio, Rollout assembly; for llm.generate its "
+              "own loop and request setup), per step; steps whose batch held prefill tokens vs decode-only ones.", "",
+              "| run | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+    lines += [f"| {name} | " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for name, r in rows]
     lines.append("")
     return "\n".join(lines)
 

@@ -181,11 +181,18 @@ class Episode:
         except asyncio.TimeoutError as e:
             raise ToolTimeout(f"tool {getattr(fn, '__name__', fn)!r} ran past {timeout} s in {self.name}") from e
 
+    @property
+    def text(self) -> str:
+        """The sampled turns' text, joined."""
+        return "".join(t.text for t in self.turns)
+
     def to_rollout(self, reward: float, finish_reason: str, device: str = "cpu") -> Rollout:
         """The Rollout: prompt = the context before the first sampled token, completion = the rest up
         to the last sampled token; loss_mask 1 exactly on sampled tokens, log-probs aligned."""
-        first = self.loss_mask.index(1) if self.turns and any(self.loss_mask) else len(self.token_ids)
-        last = max((i for i, m in enumerate(self.loss_mask) if m), default=len(self.token_ids) - 1) + 1
+        mask, n = self.loss_mask, len(self.token_ids)
+        sampled = bool(self.turns) and 1 in mask
+        first = mask.index(1) if sampled else n
+        last = n - mask[::-1].index(1) if sampled else n     # one past the last sampled token
         first = max(1, min(first, last))          # a causal LM needs >= 1 prompt token
         versions = [t.versions for t in self.turns]
         span = (min((v[0] for v in versions), default=self.runner.policy_version),
@@ -196,7 +203,7 @@ class Episode:
             reward=reward, finish_reason=finish_reason,
             policy_version=span[0],
             prompt=self.prompt if isinstance(self.prompt, str) else None,
-            completion="".join(t.text for t in self.turns), uid=self.uid, device=device,
+            completion=self.text, uid=self.uid, device=device,
             info={"turns": len(self.turns), "turn_versions": versions, "versions": span,
                   "turn_rewards": list(self.turn_rewards),
                   "turn_finish": [t.finish_reason for t in self.turns], **self.info})
@@ -254,7 +261,8 @@ class EpisodeRunner:
         self._failed: BaseException | None = None    # a done() callback raised: the session ends
         self._limit: asyncio.Semaphore | None = None
         self._pool = None                            # reward threads (made on first use)
-        self.stats.update(busy_s=0.0, serve_s=0.0)   # seconds in engine steps / in sessions
+        self.stats.update(busy_s=0.0, idle_s=0.0, serve_s=0.0)   # seconds in engine steps (admissions
+        # included) / waiting with no request in flight (every episode in a tool call) / in sessions
         self.between_steps: Callable[[], None] | None = None   # e.g. an in-flight weight load
 
     def decode(self, ids: list[int]) -> str:
@@ -430,8 +438,10 @@ class EpisodeRunner:
                     await asyncio.sleep(0)             # episodes run: tool calls, next turns enter
                 else:                                  # every episode is in a tool call, or none runs
                     self._work.clear()
+                    t0 = time.perf_counter()
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._work.wait(), idle_s)
+                    self.stats["idle_s"] += time.perf_counter() - t0
         finally:
             groups = list(self._groups)
             for t in groups:
@@ -486,7 +496,7 @@ class EpisodeRunner:
             if reward is None and ep.turn_rewards:
                 reward = sum(ep.turn_rewards)
             try:
-                reward = _check_reward(reward, ep.prompt, "".join(t.text for t in ep.turns))
+                reward = _check_reward(reward, ep.prompt, ep.text)
             except (TypeError, ValueError) as e:
                 raise type(e)(f"{ep.name}: {e}") from None
             return ep.to_rollout(reward, reason, device)

@@ -248,3 +248,49 @@ def lora_request(path: str, adapter_id: int):
     0.22 and 0.32, the same three arguments.)"""
     from vllm.lora.request import LoRARequest
     return LoRARequest(lora_name=f"adapter-{adapter_id}", lora_int_id=adapter_id, lora_path=str(path))
+
+
+@contextlib.contextmanager
+def recorded_steps(llm: LLM):
+    """Record every engine step of `llm` while inside (LLMEngine.step, also the ones LLM.generate runs):
+    yields a list that gains (seconds, scheduled tokens, prefill) per step, where prefill says whether
+    the batch whose output the step returned scheduled some request more than one token (a prompt or
+    a new turn's tokens; with speculative decoding also drafts). tokens and prefill are None where the
+    scheduler is out of reach (not in process) or the step returned no batch. Costs about a
+    microsecond a step: LLMEngine.step and the in-process scheduler's update_from_output (called with
+    the batch's SchedulerOutput when its output arrives, so also right under async scheduling) are
+    wrapped on their instances and restored on exit."""
+    import time
+    engine = llm.llm_engine
+    scheduler = getattr(getattr(getattr(engine, "engine_core", None), "engine_core", None), "scheduler", None)
+    steps: list[tuple[float, int | None, bool | None]] = []
+    batch: list = [None, None]          # (tokens, prefill) of the batch the running step returned
+    step, update = engine.step, getattr(scheduler, "update_from_output", None)
+
+    def timed_step():
+        batch[:] = None, None
+        t0 = time.perf_counter()
+        out = step()
+        steps.append((time.perf_counter() - t0, *batch))
+        return out
+
+    def update_from_output(scheduler_output, *args, **kwargs):
+        with contextlib.suppress(AttributeError, TypeError):
+            per_request = scheduler_output.num_scheduled_tokens
+            total = scheduler_output.total_num_scheduled_tokens
+            batch[:] = total, total > len(per_request)
+        return update(scheduler_output, *args, **kwargs)
+
+    saved = [(obj, name, vars(obj).get(name)) for obj, name in ((engine, "step"), (scheduler, "update_from_output"))
+             if obj is not None and hasattr(obj, "__dict__")]
+    engine.step = timed_step
+    if update is not None:
+        scheduler.update_from_output = update_from_output
+    try:
+        yield steps
+    finally:
+        for obj, name, old in saved:
+            if old is None:
+                vars(obj).pop(name, None)
+            else:
+                setattr(obj, name, old)

@@ -263,3 +263,25 @@ def test_admission_wait_groups_new_turns_and_keeps_tokens(wm):
     assert grouped[1]["admissions"] < eager[1]["admissions"]
     lone = EpisodeRunner(wm.as_vllm(), config=EpisodeConfig(admit_wait_steps=1000))
     assert lone.run(episode, ["1+1="], seed=3)[0][0].completion_ids == eager[0][0]   # nothing runs: enters at once
+
+
+def test_recorded_steps_time_every_step_and_mark_prefill(wm):
+    """vc.recorded_steps sees every engine step of both loops (EpisodeRunner's, llm.generate's). Hand
+    count: two 4-token prompts entering together, 3 tokens each -> step 1 schedules 2 x 4 prompt tokens
+    (prefill), steps 2 and 3 one token per request (decode-only); on exit the engine is as before."""
+    llm = wm.as_vllm()
+
+    async def episode(ep):
+        await ep.generate(max_tokens=3, ignore_eos=True)
+        return 0.0
+
+    runner = EpisodeRunner(llm)
+    with vc.recorded_steps(llm) as steps:
+        runner.run(episode, ["1+1=", "2+1="])
+    assert [(n, p) for _, n, p in steps] == [(8, True), (2, False), (2, False)]
+    assert len(steps) == runner.stats["steps"] and 0 < sum(s for s, _, _ in steps) <= runner.stats["busy_s"]
+    assert "step" not in vars(llm.llm_engine)
+    with vc.recorded_steps(llm) as steps:
+        llm.generate([vc.TokensPrompt(prompt_token_ids=[3, 4, 5])], vc.SamplingParams(max_tokens=2, ignore_eos=True),
+                     use_tqdm=False)
+    assert [(n, p) for _, n, p in steps] == [(3, True), (1, False)] and all(s > 0 for s, _, _ in steps)
