@@ -140,7 +140,11 @@ class Episode:
         if self._seed is not None and "seed" not in sampling:
             kw["seed"] = self._seed + 7919 * len(self.turns)
         v0 = r.policy_version
-        ids, lps, reason, v1 = await r.submit(self.token_ids, kw)
+        r._generating += 1
+        try:
+            ids, lps, reason, v1 = await r.submit(self.token_ids, kw)
+        finally:
+            r._generating -= 1
         turn = Turn(ids, lps, reason, (v0, v1), r.decode(ids))
         self.token_ids += ids
         self.loss_mask += [1] * len(ids)
@@ -224,6 +228,8 @@ def chat_delta(tokenizer, messages: list[dict], *, add_generation_prompt: bool =
 
 
 EpisodeFn = Callable[[Episode], Awaitable[float]]
+_QUIET_S = 0.1      # the longest the engine loop steps without letting the event loop turn (an
+                    # episode that awaits I/O while another of its coroutines generates waits this long)
 
 
 def single_turn(reward_fn: Callable) -> EpisodeFn:
@@ -261,7 +267,8 @@ class EpisodeRunner:
         self._failed: BaseException | None = None    # a done() callback raised: the session ends
         self._limit: asyncio.Semaphore | None = None
         self._pool = None                            # reward threads (made on first use)
-        self.stats.update(busy_s=0.0, idle_s=0.0, serve_s=0.0)   # seconds in engine steps (admissions
+        self._live = self._generating = 0            # episodes running / of them waiting on a turn
+        self.stats.update(yields=0, busy_s=0.0, idle_s=0.0, serve_s=0.0)   # seconds in engine steps (admissions
         # included) / waiting with no request in flight (every episode in a tool call) / in sessions
         self.between_steps: Callable[[], None] | None = None   # e.g. an in-flight weight load
 
@@ -330,15 +337,30 @@ class EpisodeRunner:
         self._held.clear()
         self._held_steps = 0
 
-    def _step(self) -> None:
+    def _step(self) -> int:
+        """One engine step (new requests enter first); returns how many requests it finished."""
         self._admit()
+        finished = 0
         for out in self.vc.engine_step(self.llm):
             if out.finished:
                 self._running.discard(out.request_id)
+                finished += 1
             fut = self._futures.pop(out.request_id, None) if out.finished else None
             if fut is not None and not fut.done():
                 fut.set_result((out, self.policy_version))   # stamped before any load between steps
         self.stats["steps"] += 1
+        return finished
+
+    def _quiet(self, since: float) -> bool:
+        """Only the engine can wake anyone now: every running episode waits on a turn, and the event
+        loop has no ready callback (a started task, another thread's result) nor a due timer; then the
+        loop's turn between two steps (a select() call, which also hands the GIL to other threads)
+        is skipped, for at most _QUIET_S. An event loop without these attributes turns every step."""
+        loop = self._loop
+        ready, timers = getattr(loop, "_ready", None), getattr(loop, "_scheduled", None)
+        if ready is None or timers is None or ready or self._generating < self._live:
+            return False
+        return (not timers or timers[0].when() > loop.time()) and time.perf_counter() - since < _QUIET_S
 
     def run(self, episode: EpisodeFn, prompts: Sequence, *, group_size: int = 1, metadata: Sequence | None = None,
             uids: Sequence | None = None, seed: int | None = None, device: str = "cpu") -> list[RolloutBatch]:
@@ -420,7 +442,8 @@ class EpisodeRunner:
     async def _serve(self, feed: Callable[[], bool], idle_s: float) -> None:
         self._loop, self._work, self._failed = asyncio.get_running_loop(), asyncio.Event(), None
         self._limit = asyncio.Semaphore(self.config.max_concurrent or 1 << 30)
-        t_start = time.perf_counter()
+        t_start = turned = time.perf_counter()
+        self._live = self._generating = 0
         try:
             while True:
                 if self._failed is not None:
@@ -430,12 +453,15 @@ class EpisodeRunner:
                 busy = bool(self._futures)
                 if busy:
                     t0 = time.perf_counter()
-                    self._step()
+                    finished = self._step()
                     self.stats["busy_s"] += time.perf_counter() - t0
                 if self.between_steps is not None:
                     self.between_steps()               # e.g. a weight load: the next step samples with it
                 if busy:
-                    await asyncio.sleep(0)             # episodes run: tool calls, next turns enter
+                    if finished or not self._quiet(turned):
+                        await asyncio.sleep(0)         # episodes run: tool calls, next turns enter
+                        turned = time.perf_counter()
+                        self.stats["yields"] += 1
                 else:                                  # every episode is in a tool call, or none runs
                     self._work.clear()
                     t0 = time.perf_counter()
@@ -473,6 +499,13 @@ class EpisodeRunner:
         return await asyncio.get_running_loop().run_in_executor(self._pool, bounded(fn, t, "reward_fn"), *args)
 
     async def _one(self, episode: EpisodeFn, ep: Episode, limit: asyncio.Semaphore, device: str) -> Rollout:
+        self._live += 1
+        try:
+            return await self._run_one(episode, ep, limit, device)
+        finally:
+            self._live -= 1
+
+    async def _run_one(self, episode: EpisodeFn, ep: Episode, limit: asyncio.Semaphore, device: str) -> Rollout:
         async with limit:
             t0 = time.perf_counter()
             deadline = asyncio.timeout(self.config.episode_timeout_s)
