@@ -27,6 +27,7 @@ import json
 import random
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -80,6 +81,7 @@ def timed(llm, fn, runner=None) -> dict:
         out.update(turns=sum(r.info["turns"] for b in batches for r in b),
                    episode_s=[r.info["episode_s"] for b in batches for r in b],
                    admissions=runner.stats["admissions"] - before["admissions"],
+                   loop_turns=runner.stats["yields"] - before["yields"],   # event-loop turns between steps
                    busy_s=round(runner.stats["busy_s"] - before["busy_s"], 3),   # steps + admissions
                    idle_s=round(runner.stats["idle_s"] - before["idle_s"], 3))   # every episode in a tool
     return {**out, **step_summary(steps, wall - out.get("idle_s", 0.0))}
@@ -147,6 +149,7 @@ def main(argv=None):
         prompts = [[rng.randrange(2, 60) for _ in range(args.prompt_tokens)] for _ in range(args.episodes)]
         warm = plan(args, args.seed + 99)
         episodes(runners[0], warm, prompts), single_turn(runners[0], warm, prompts)     # warm-up
+        threads = sorted({t.name for t in threading.enumerate()})   # they share the GIL with the engine loop
         work = plan(args, args.seed)
         multis = [episodes(r, work, prompts) for r in runners]
         single = single_turn(runners[0], work, prompts)
@@ -162,7 +165,7 @@ def main(argv=None):
            "raw_llm_generate": raw, "ratio": multi["ratio"],
            "critical_path_s": round(bound, 3), "ratio_bound": round(single["wall_s"] / bound, 3),
            "admission": multis, "path_vs_raw": round(single["tokens_per_s"] / raw["tokens_per_s"], 3),
-           "versions": versions()}
+           "versions": versions(), "threads": threads}
     print(json.dumps(doc, indent=1))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -193,11 +196,12 @@ def markdown(doc) -> str:
               "|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {m['admit_wait_steps']} | {m['wall_s']} | {m['tokens_per_s']} | {m['ratio']} | {m['engine_steps']} | "
               f"{m['admissions']} |" for m in doc["admission"]]
-    keys = ("engine_steps", "step_s", "idle_s", "loop_s", "ms_per_step", "loop_ms_per_step", "prefill_steps",
+    keys = ("engine_steps", "loop_turns", "step_s", "idle_s", "loop_s", "ms_per_step", "loop_ms_per_step", "prefill_steps",
             "prefill_ms", "decode_steps", "decode_ms")
     lines += ["", "Where the time goes: seconds inside engine steps, idle (every episode in a tool call, nothing "
               "to step), the loop's own (the rest: admission, asyncio, Rollout assembly; for llm.generate its "
-              "own loop and request setup), per step; steps whose batch held prefill tokens vs decode-only ones.", "",
+              "own loop and request setup), per step; steps whose batch held prefill tokens vs decode-only ones. "
+              f"Threads beside the loop: {doc['threads']}.", "",
               "| run | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
     lines += [f"| {name} | " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for name, r in rows]
     lines.append("")
