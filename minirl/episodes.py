@@ -15,9 +15,10 @@ environment steps on an `Episode`, which holds the token context:
 
 How it works. `EpisodeRunner` owns an engine and runs an asyncio loop: `ep.generate()` adds one
 request (`LLMEngine.add_request`) whose prompt is exactly the episode's tokens so far; the runner
-steps the engine, resolves each finished request's future, and yields to the event loop between
-steps, so tool calls overlap generation and a finished turn's next request enters at the next step
-(no batch barrier). `run()` starts every episode at once and returns their batches; `serve(feed)` is
+steps the engine, resolves each finished request's future, and lets the event loop turn between
+steps whenever something may run there (a finished turn, a tool's result, a due timer: not while
+every episode waits on the engine), so tool calls overlap generation and a finished turn's next
+request enters at the next step (no batch barrier). `run()` starts every episode at once and returns their batches; `serve(feed)` is
 the long-lived form of the same loop (the async generators'): between steps feed() starts new groups
 (`start_group`, each reporting its RolloutBatch through a callback as it finishes), so the engine
 stays full across leases. Between steps is also where an in-flight weight load goes
