@@ -18,14 +18,14 @@ request (`LLMEngine.add_request`) whose prompt is exactly the episode's tokens s
 steps the engine, resolves each finished request's future, and lets the event loop turn between
 steps whenever something may run there (a finished turn, a tool's result, a due timer: not while
 every episode waits on the engine), so tool calls overlap generation and a finished turn's next
-request enters at the next step (no batch barrier). `run()` starts every episode at once and
-returns their batches; `serve(feed)` is the long-lived form of the same loop (the async
-generators'): between steps feed() starts new groups (`start_group`, each reporting its
-RolloutBatch through a callback as it finishes), so the engine stays full across leases. Between steps is also where an in-flight weight load goes
-(`between_steps`): every turn records the runner's `policy_version` when it was submitted and at the
-step it finished, Rollout.info["versions"] = (first, last) over its turns. A reward_fn runs off the
-loop (`reward`: a sync one in a worker thread, an async one awaited, both bounded by
-reward_timeout_s), so a slow reward never stalls the other episodes' steps.
+request enters at the next step (no batch barrier). `run()` starts every episode at once and returns
+their batches; `serve(feed)` is the long-lived form of the same loop (the async generators'):
+between steps feed() starts new groups (`start_group`, each reporting its RolloutBatch through a
+callback as it finishes), so the engine stays full across leases. Between steps is also where an
+in-flight weight load goes (`between_steps`): every turn records the runner's `policy_version` when
+it was submitted and at the step it finished, Rollout.info["versions"] = (first, last) over its
+turns. A reward_fn runs off the loop (`reward`: a sync one in a worker thread, an async one awaited,
+both bounded by reward_timeout_s), so a slow reward never stalls the other episodes' steps.
 
 Token in, token out. The context only grows: sampled ids are appended as the engine produced them
 (loss_mask 1, their sampling log-probs), environment ids as given (loss_mask 0); nothing is ever
