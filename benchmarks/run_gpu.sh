@@ -3,6 +3,8 @@
 # from the wheel kit in ../shared/gpu, PYTHONPATH=/tmp/site-packages:$PWD). One or more stages per
 # call, each writing under OUT_DIR; a failing stage does not stop the next:
 #   bash benchmarks/run_gpu.sh OUT_DIR tests tests-0.6b switch-old switch-4b step-0.6b-256 step-4b-256-minirl
+# Run it from a snapshot of a commit, stamped so the results name it: `git archive HEAD | tar -x -C .snap &&
+# git rev-parse --short HEAD > .snap/COMMIT`.
 # STEP_ARGS="--compilation-config '{...}'" STEP_TAG=_decode: more launch flags for minirl's step, a file suffix.
 # switch-old measures the checkout in .old/ (an earlier commit's minirl/ and actors/: `git archive
 # be0b014 minirl actors | tar -x -C .old`), switch-4b this one, in the same lease.

@@ -134,8 +134,14 @@ def markdown(doc) -> str:
 
 
 def _commit(path: str) -> str:
-    res = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return res.stdout.strip() or path
+    """The commit of the code at `path`: its COMMIT file (a `git archive` snapshot's stamp), else
+    HEAD when `path` is a checkout's top (not a folder inside another checkout), else the path."""
+    stamp = Path(path) / "COMMIT"
+    if stamp.is_file():
+        return stamp.read_text().strip()
+    git = lambda *a: subprocess.run(["git", "-C", path, *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
+    top = git("rev-parse", "--show-toplevel")
+    return git("rev-parse", "--short", "HEAD") if top and Path(top).resolve() == Path(path).resolve() else path
 
 
 def _versions() -> dict:
