@@ -10,9 +10,9 @@ with LoRA the base model is the reference; with full/offload a second model, on 
 offload). Fixed settings for every cell, so that cells compare and start fast: activation
 checkpointing on, layers not compiled, the engine asleep (level 2) while training with a --kv-cache-gib KV cache, eager
 (no CUDA graphs); the memory plan's start-up trial is skipped. Cells that
-minirl.colocated.estimate_memory says cannot fit (on the device, or in host memory with offload) are
-not started ("does not fit (estimate)"); a
-cell that fails to fit reports the MemoryError's message. Peak memory: the device's used memory
+WeightManager's own check (minirl.colocated.check_fits: the device, and host memory with offload)
+refuses are not started ("does not fit (estimate): " and its message); a cell that fails to fit
+later reports the MemoryError's message. Peak memory: the device's used memory
 (total - free, polled every 20 ms: trainer, engine and caches together) and torch's peak
 allocation (the trainer's tensors). All cells without a reference run first, smallest shape
 first, then those with one, within --budget seconds; cells left over are reported as not run.
@@ -141,7 +141,7 @@ def main():
     import torch
     from models import build_random_model
     from switch import _commit, _versions
-    from minirl.colocated import HOST_RESERVE, estimate_memory
+    from minirl.colocated import check_fits, estimate_memory
     cuda, start = torch.cuda.is_available(), time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -164,14 +164,11 @@ def main():
         if cuda:
             est = estimate_memory(str(model), trainer_config(mode, ref, args),
                                   max_model_len=args.max_tokens + 64)
-            if est["needed"] > torch.cuda.mem_get_info()[1]:
-                doc["cells"][name] = {"error": f"does not fit (estimate: {est['needed'] / 2**30:.0f} GiB "
-                                               "before activations)", "estimate": est}
-                continue
-            if est["host"] and est["host"] + HOST_RESERVE > psutil.virtual_memory().available:
-                doc["cells"][name] = {"error": f"does not fit in host memory (estimate: {est['host'] / 2**30:.0f}"
-                                               f" GiB + {HOST_RESERVE / 2**30:.0f} GiB for the process, "
-                                               f"{psutil.virtual_memory().available / 2**30:.0f} GiB available)", "estimate": est}
+            try:                       # the check WeightManager makes, here before a process starts
+                check_fits(est, torch.cuda.mem_get_info()[1], torch.cuda.get_device_name(),
+                           host_available=psutil.virtual_memory().available)
+            except MemoryError as e:
+                doc["cells"][name] = {"error": f"does not fit (estimate): {e}", "estimate": est}
                 continue
         t0 = time.perf_counter()
         try:

@@ -254,13 +254,14 @@ def estimate_memory(model: str, trainer: TrainerConfig, *, world: int = 1,
     ref_on_device = separate_ref and not trainer.reference_offload
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * head_dim * 2
-    est = {"weights": 4 * (n if lora is None else n + trained) / world * on_device,
-           "gradients": 4 * trained / world * on_device, "optimizer": 8 * trained / world * on_device,
-           "reference": 2 * n / world * ref_on_device,
-           "engine": n * 2 * 1.05 + 4 * GIB + 2 * (max_model_len or mc.max_position_embeddings) * per_token,
-           "params": n, "trained_params": trained}
-    est["host_reference"] = 2 * n / world * (separate_ref and trainer.reference_offload)
-    est["host"] = (16 * trained + 4 * (n - trained if lora else 0)) / world * (1 - on_device) + est["host_reference"]
+    state = {"weights": 4 * (n if lora is None else n + trained) / world, "gradients": 4 * trained / world,
+             "optimizer": 8 * trained / world}                      # on the device, or on the host with offload
+    est = {k: v * on_device for k, v in state.items()} | {
+        "reference": 2 * n / world * ref_on_device,
+        "engine": n * 2 * 1.05 + 4 * GIB + 2 * (max_model_len or mc.max_position_embeddings) * per_token,
+        "params": n, "trained_params": trained,
+        "host_reference": 2 * n / world * (separate_ref and trainer.reference_offload)}
+    est["host"] = sum(state.values()) * (1 - on_device) + est["host_reference"]
     resident = est["weights"] + est["optimizer"] + est["reference"]
     return est | {"needed": resident + max(est["gradients"], est["engine"])}
 
