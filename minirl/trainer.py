@@ -21,8 +21,10 @@ log-probs of each packed micro-batch reach loss_fn as `batch.ref_logprobs` (for 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -225,6 +227,11 @@ def load_fsdp_model(path: str, device: torch.device, world: int, compute_dtype: 
     return model
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2 parameters, their gradients and AdamW state); t otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def predict_peak(n1: int, peak1: int, n2: int, peak2: int, n: int) -> float:
     """The peak at n tokens on the line through two trials (gradients are the same at any size,
     activations grow linearly in tokens)."""
@@ -283,8 +290,12 @@ class Trainer:
         hold different numbers of micro-batches (the short ones run empty passes). Returns the
         global token means of the loss and of every value loss_fn reports, and "tokens".
         """
+        with self._explain_oom(f"forward_backward (micro-batches of <= {self.config.micro_batch_tokens} tokens)"):
+            return self._forward_backward(list(rollouts), loss_fn, temperature, num_global_tokens)
+
+    def _forward_backward(self, rollouts, loss_fn, temperature, num_global_tokens) -> dict[str, float]:
         self.model.train()
-        mbs = pack(list(rollouts), self.config.micro_batch_tokens)
+        mbs = pack(rollouts, self.config.micro_batch_tokens)
         counts = torch.tensor([sum(mb.num_tokens for mb in mbs), len(mbs)], device=self.device)
         if self.rank.world_size > 1:
             dist.all_reduce(counts[:1])
@@ -342,9 +353,48 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"gradient norm is {norm}: the step was refused (weights "
                                      "unchanged). Look for NaN/inf rewards, advantages or log-probs")
-        self.optimizer.step()
+        with self._explain_oom("the AdamW step (its state is allocated at the first one)"):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": norm}
+
+    @contextlib.contextmanager
+    def _explain_oom(self, what: str):
+        """torch's out-of-memory error inside `what` becomes a MemoryError that says what this rank
+        holds, what the device has and which levers would make the step fit. The step's gradients
+        are freed (the step is lost, the weights are unchanged) so the process can go on."""
+        try:
+            yield
+        except torch.OutOfMemoryError as e:
+            asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(e))
+            held = {"weights": [p for p in self.model.parameters()],
+                    "gradients": [p.grad for p in self.model.parameters() if p.grad is not None],
+                    "AdamW state": [t for st in self.optimizer.state.values() for t in st.values()
+                                    if torch.is_tensor(t) and t.dim()]}
+            on = self.device.type                          # offloaded state is not on the device
+            sizes = {k: sum(_local(t).numel() * t.element_size() for t in v if t.device.type == on) / 2**30
+                     for k, v in held.items()}
+            total = torch.cuda.mem_get_info(self.device)[1] / 2**30 if self.device.type == "cuda" else None
+            reshard(self.model)
+            self.optimizer.zero_grad(set_to_none=True)
+            cfg, levers = self.config, []
+            if cfg.lora is None:
+                levers.append("LoRA (TrainerConfig(lora=LoRAConfig()), launch --lora-rank 16): gradients and "
+                              "AdamW state for the adapters only")
+            if not cfg.cpu_offload:
+                levers.append("cpu_offload=True (--offload): weights, gradients and AdamW state on the host")
+            if self.reference is not None and not cfg.reference_offload:
+                levers.append("reference_offload=True (--reference-offload)")
+            if not getattr(self.model, "is_gradient_checkpointing", False):
+                levers.append("activation_checkpointing=True")
+            levers.append(f"a smaller micro_batch_tokens (now {cfg.micro_batch_tokens}); more GPUs (every "
+                          "trainer part is sharded), or a smaller model")
+            raise MemoryError(
+                f"training ran out of device memory in {what}"
+                + (f" asking for {asked.group(1)} more" if asked else "") + ": this rank held "
+                + ", ".join(f"{k} {v:.1f} GiB" for k, v in sizes.items()) + " (activations on top)"
+                + (f" of the {total:.1f} GiB {torch.cuda.get_device_name(self.device)}" if total else "")
+                + ". The step's gradients were freed (weights unchanged). Levers: " + "; ".join(levers) + ".") from e
 
     def rebalance(self, rollouts: list) -> list:
         """Every rank's rollouts, re-split so each rank holds about as many tokens (collective)."""
@@ -359,8 +409,7 @@ class Trainer:
         """What AdamW's two fp32 moments of this rank's shard will take at the first step (0 once taken)."""
         if self.optimizer.state or self.config.cpu_offload:          # offloaded: the state lives on the host
             return 0
-        return 8 * sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-                       for p in self.model.parameters() if p.requires_grad)
+        return 8 * sum(_local(p).numel() for p in self.model.parameters() if p.requires_grad)
 
     def measure_peak(self) -> int:
         """Bytes allocated (CUDA) at the peak of one forward_backward over a full micro-batch of
@@ -387,10 +436,15 @@ class Trainer:
             if peak is not None and peak + adam <= limit:
                 return peak + adam
         on = bool(getattr(self.model, "is_gradient_checkpointing", False)) or recompute
+        need = "ran out of device memory" if peak is None else f"peaks at {peak / 2**30:.1f} GiB"
         raise MemoryError(f"one micro-batch of {n} tokens does not fit in training memory on "
-                          f"{torch.cuda.get_device_name(dev)} (activation checkpointing "
-                          f"{'on' if on else 'off'}): lower micro_batch_tokens"
-                          + ("" if on else " or set activation_checkpointing=True"))
+                          f"{torch.cuda.get_device_name(dev)} (activation checkpointing {'on' if on else 'off'}): "
+                          f"its forward_backward {need}, AdamW's first step adds {adam / 2**30:.1f} GiB, and "
+                          f"{limit / 2**30:.1f} GiB is usable. Levers: a lower micro_batch_tokens"
+                          + ("" if on else ", activation_checkpointing=True")
+                          + ("" if self.config.lora else ", LoRA (lora=LoRAConfig(), --lora-rank 16)")
+                          + ("" if self.config.cpu_offload else ", cpu_offload=True (--offload)")
+                          + ", more GPUs, or a smaller model")
 
     def _trial_peak(self, n: int) -> int | None:
         """Peak bytes allocated by one forward_backward over n random tokens (None: out of memory)."""
@@ -404,9 +458,8 @@ class Trainer:
         try:
             self.forward_backward([dummy], lambda lp, mb, logits: (-lp, {}))
             peak = torch.cuda.max_memory_allocated(dev)
-        except torch.cuda.OutOfMemoryError:
+        except MemoryError:                        # forward_backward's out-of-memory error (resharded)
             peak = None
-            reshard(self.model)
         self.optimizer.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
         return peak

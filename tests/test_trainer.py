@@ -115,6 +115,44 @@ def test_non_finite_gradient_is_refused(trainer):
     assert all(p.grad is None for p in trainer.model.parameters())
 
 
+def test_out_of_device_memory_names_what_was_held_and_the_levers(trainer, monkeypatch):
+    rs, calls = _rollouts(3), []
+    trainer.config = dataclasses.replace(trainer.config, micro_batch_tokens=1)    # a row per rollout
+    inner = ppo_loss_fn(entropy=False)
+
+    def loss_fn(lp, mb, logits):        # the second micro-batch runs out, after the first's backward
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.64 GiB. GPU 0 ...")
+        return inner(lp, mb, logits)
+    before = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters()}
+    with pytest.raises(MemoryError, match=r"forward_backward .* asking for 4.64 GiB more: this rank held "
+                                          r"weights [\d.]+ GiB.*Levers: LoRA.*cpu_offload=True.*"
+                                          r"micro_batch_tokens \(now 1\)"):
+        trainer.forward_backward(rs, loss_fn)
+    assert all(p.grad is None for p in trainer.model.parameters())      # the first one's gradients freed
+    assert all(torch.equal(before[n], p.full_tensor()) for n, p in trainer.model.named_parameters())
+    assert trainer.forward_backward(rs, inner)["micro_batches"] == 3      # the trainer goes on
+    monkeypatch.setattr(trainer.optimizer, "step", lambda: (_ for _ in ()).throw(torch.OutOfMemoryError("x")))
+    with pytest.raises(MemoryError, match="the AdamW step"):
+        trainer.optim_step()
+    assert all(p.grad is None for p in trainer.model.parameters())
+
+
+def test_a_micro_batch_too_big_for_the_device_is_refused_with_its_numbers(trainer, monkeypatch):
+    gib = 2**30                         # measure_peak's verdict (CUDA), its device calls stood in for
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 10 * gib))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "a 10 GiB GPU")
+    monkeypatch.setattr(trainer, "_trial_peak", lambda n: 6 * gib)
+    monkeypatch.setattr(trainer, "config", dataclasses.replace(trainer.config, activation_checkpointing=True))
+    monkeypatch.setattr(trainer, "unallocated_optimizer_bytes", lambda: 4 * gib)
+    with pytest.raises(MemoryError, match=r"peaks at 6.0 GiB, AdamW's first step adds 4.0 GiB, and 9.5 GiB "
+                                          r"is usable. Levers: a lower micro_batch_tokens, LoRA"):
+        trainer.measure_peak()
+    monkeypatch.setattr(trainer, "unallocated_optimizer_bytes", lambda: 3 * gib)
+    assert trainer.measure_peak() == 9 * gib
+
+
 def test_a_step_with_every_token_masked_trains_nothing(trainer):
     rs = _rollouts(3)
     for r in rs:          # e.g. every completion truncated under an over-long filter
