@@ -65,9 +65,12 @@ for stage in "$@"; do
         --out "$out/modes_h200" 2>&1 | grep -v "^\[" | tail -40 ;;   # MODES_MERGE=an earlier modes.json
     lora-serving)   # LoRA served as merged weights vs as a vLLM adapter: tokens/s, sync, GRPO step, Qwen3-0.6B shape
       timeout 590 python benchmarks/lora_serving.py --out "$out/lora_serving_h200_qwen3-0.6b.json" 2>&1 | grep -v "^\[" | tail -8 ;;
-    longtail-1gpu)   # co-located vs async sharing one H200 (0.6B shape, 128 x 8, median 500 tokens): ~6-9 min
+    longtail-1gpu)   # co-located vs async sharing one H200 (0.6B shape, 128 x 8, median 500 tokens): the two
+      # parts take ~5 min each, so one per call: LONGTAIL_PARTS=async LONGTAIL_MERGE=<the colocated JSON>
+      m=${LONGTAIL_MERGE:-}; merge=(); [[ -n $m ]] && merge=(--merge "$m")
       timeout 560 python benchmarks/async_longtail.py --shape qwen3-0.6b --gpus 1 --steps 2 --warmup 1 \
-        --parts colocated,async --timeout 330 --out "$out/longtail_h200_qwen3-0.6b_1gpu.json" 2>&1 | tail -25 ;;
+        --parts "${LONGTAIL_PARTS:-colocated}" --timeout 330 "${merge[@]}" \
+        --out "$out/longtail_h200_qwen3-0.6b_1gpu.json" 2>&1 | tail -25 ;;
     longtail-1gpu-ideal)   # gen and train alone (the ideal), merged with longtail-1gpu's JSON, then the cost model
       # (~4-5 min; its own call). LONGTAIL_MERGE=that JSON when it is not in this OUT_DIR (e.g. copied into the tree).
       m=${LONGTAIL_MERGE:-$out/longtail_h200_qwen3-0.6b_1gpu.json}; merge=(); [[ -f $m ]] && merge=(--merge "$m")
