@@ -51,6 +51,10 @@ for stage in "$@"; do
     episodes-vllm)   # the same with vLLM's own compilation (torch.compile, FULL_AND_PIECEWISE graphs)
       timeout 420 python benchmarks/episodes.py --compilation-config '{}' \
         --out "$out/episodes_h200_qwen3-0.6b_vllm.json" 2>&1 | grep -v "^\[" | tail -8 ;;
+    episodes-full)   # full CUDA graphs for steps that mix a new turn's prefill with decodes too (FA3 on Hopper
+      # supports them), instead of piecewise graphs for those steps: what the episodes lose per step
+      timeout 420 python benchmarks/episodes.py --compilation-config '{"cudagraph_mode": "FULL"}' \
+        --out "$out/episodes_h200_qwen3-0.6b_full.json" 2>&1 | grep -v "^\[" | tail -8 ;;
     episodes-decode)   # decode-only CUDA graphs without torch.compile (the earlier default), same workload
       timeout 420 python benchmarks/episodes.py --compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}' \
         --out "$out/episodes_h200_qwen3-0.6b_decode.json" 2>&1 | grep -v "^\[" | tail -8 ;;
