@@ -149,6 +149,7 @@ def main():
            "minirl": _commit(str(ROOT)), "argv": sys.argv[1:], "cells": {}}
     done = json.loads(Path(args.merge).read_text())["cells"] if args.merge else {}
     for shape, mode, ref in cells(args):
+        (out / "modes.json").write_text(json.dumps(doc, indent=1))   # every cell so far, merged ones too
         name = f"{shape}:{mode}:{'ref' if ref else 'noref'}"
         if "step_s" in done.get(name, {}):
             doc["cells"][name] = {**done[name], "from": args.merge}
@@ -180,7 +181,6 @@ def main():
             cell = {"error": "not finished (time budget)"}
         doc["cells"][name] = {**cell, "process_s": time.perf_counter() - t0}
         print(name, {k: v for k, v in doc["cells"][name].items() if k != "steps"}, flush=True)
-        (out / "modes.json").write_text(json.dumps(doc, indent=1))
     doc["total_s"] = time.perf_counter() - start
     (out / "modes.json").write_text(json.dumps(doc, indent=1))
     (out / "modes.md").write_text(markdown(doc, args))
