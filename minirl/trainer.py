@@ -253,7 +253,7 @@ class Trainer:
         self.compute_dtype = precision(cfg.mixed_precision, pick_device(int(os.environ.get("LOCAL_RANK", 0))))
         self.rank = init_distributed(cfg.dist_timeout_s)
         self.device = self.rank.device
-        torch.manual_seed(cfg.seed + self.rank.rank)
+        torch.manual_seed(cfg.seed)        # the same on every rank while loading: LoRA's initial A agrees
         if cfg.reference_offload and not cfg.reference:
             raise ValueError("reference_offload=True without reference=True: set reference=True too")
         load = dict(attention=cfg.attention, trust_remote_code=cfg.trust_remote_code)
@@ -268,6 +268,7 @@ class Trainer:
             self.reference = load_fsdp_model(self.path, self.device, self.rank.world_size, self.compute_dtype,
                                              offload=cfg.reference_offload, dtype=self.compute_dtype,
                                              **load).requires_grad_(False).eval()
+        torch.manual_seed(cfg.seed + self.rank.rank)               # per rank from here on (dropout)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
                                            lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                            weight_decay=cfg.weight_decay,

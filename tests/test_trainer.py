@@ -193,33 +193,44 @@ import json, sys, torch, torch.distributed as dist
 sys.path.insert(0, {tests!r})
 from test_trainer import _rollouts
 from minirl import ppo_loss_fn
+from minirl.lora import LoRAConfig
 from minirl.trainer import Trainer, TrainerConfig
-tr = Trainer({model!r}, TrainerConfig(lr=1e-3))
+tr = Trainer({model!r}, TrainerConfig(lr=1e-3, eps=1e-3,      # eps: AdamW's first step smooth in the gradient
+                                      lora=LoRAConfig(rank=4) if {lora} else None))
 rs = _rollouts(7)
 world, rank = dist.get_world_size(), dist.get_rank()
 mine = rs if world == 1 else (rs[:2] if rank == 0 else rs[2:])     # uneven on purpose
 out = tr.forward_backward(mine, ppo_loss_fn(entropy=False))
-grads = {{n: p.grad.full_tensor() for n, p in tr.model.named_parameters()}}
+grads = {{n: p.grad.full_tensor() for n, p in tr.model.named_parameters() if p.grad is not None}}
+tr.optim_step()
+weights = {{}}                                  # after the step, as the engine gets them (LoRA: merged)
+tr.gather(lambda bucket: weights.update((n, t.clone()) for n, t in bucket), dtype=torch.float32)
 if rank == 0:
-    torch.save(grads, {out!r} + f"/grads_{{world}}.pt")
+    torch.save((grads, weights), {out!r} + f"/grads_{{world}}.pt")
     json.dump(out, open({out!r} + f"/out_{{world}}.json", "w"))
 tr.close()
 """
 
 
 @pytest.mark.slow
-def test_two_ranks_with_uneven_rollouts_give_the_one_rank_update(tiny_model, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_two_ranks_with_uneven_rollouts_give_the_one_rank_update(tiny_model, tmp_path, lora):
+    """Gradients, and the weights the engine gets after the step (LoRA: merged), of 1 and 2 ranks."""
     from conftest import ROOT
     script = tmp_path / "two_ranks.py"
-    script.write_text(TWO_RANKS.format(tests=str(ROOT / "tests"), model=tiny_model, out=str(tmp_path)))
+    script.write_text(TWO_RANKS.format(tests=str(ROOT / "tests"), model=tiny_model, out=str(tmp_path), lora=lora))
     for n in (1, 2):
         res = run_py(["-m", "torch.distributed.run", "--nproc_per_node", str(n), str(script)], timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
-    g1, g2 = (torch.load(tmp_path / f"grads_{n}.pt") for n in (1, 2))
+    (g1, w1), (g2, w2) = (torch.load(tmp_path / f"grads_{n}.pt") for n in (1, 2))
     o1, o2 = (json.load(open(tmp_path / f"out_{n}.json")) for n in (1, 2))
     assert o1["tokens"] == o2["tokens"] and o1["loss"] == pytest.approx(o2["loss"], abs=1e-6)
+    assert g1.keys() == g2.keys() and all(".lora_" in n for n in g1) == lora
     for n in g1:
         torch.testing.assert_close(g1[n], g2[n], atol=1e-6, rtol=1e-5)
+    assert w1.keys() == w2.keys() and not any("lora" in n for n in w1)
+    for n in w1:
+        torch.testing.assert_close(w1[n], w2[n], atol=1e-6, rtol=1e-5)
 
 
 def _reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
