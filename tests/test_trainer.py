@@ -196,7 +196,8 @@ from minirl import ppo_loss_fn
 from minirl.lora import LoRAConfig
 from minirl.trainer import Trainer, TrainerConfig
 tr = Trainer({model!r}, TrainerConfig(lr=1e-3, eps=1e-3,      # eps: AdamW's first step smooth in the gradient
-                                      lora=LoRAConfig(rank=4) if {lora} else None))
+                                      lora=LoRAConfig(rank=4) if {mode!r} == "lora" else None,
+                                      cpu_offload={mode!r} == "offload"))
 rs = _rollouts(7)
 world, rank = dist.get_world_size(), dist.get_rank()
 mine = rs if world == 1 else (rs[:2] if rank == 0 else rs[2:])     # uneven on purpose
@@ -213,19 +214,19 @@ tr.close()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_two_ranks_with_uneven_rollouts_give_the_one_rank_update(tiny_model, tmp_path, lora):
+@pytest.mark.parametrize("mode", ["full", "lora", "offload"])
+def test_two_ranks_with_uneven_rollouts_give_the_one_rank_update(tiny_model, tmp_path, mode):
     """Gradients, and the weights the engine gets after the step (LoRA: merged), of 1 and 2 ranks."""
     from conftest import ROOT
     script = tmp_path / "two_ranks.py"
-    script.write_text(TWO_RANKS.format(tests=str(ROOT / "tests"), model=tiny_model, out=str(tmp_path), lora=lora))
+    script.write_text(TWO_RANKS.format(tests=str(ROOT / "tests"), model=tiny_model, out=str(tmp_path), mode=mode))
     for n in (1, 2):
         res = run_py(["-m", "torch.distributed.run", "--nproc_per_node", str(n), str(script)], timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
     (g1, w1), (g2, w2) = (torch.load(tmp_path / f"grads_{n}.pt") for n in (1, 2))
     o1, o2 = (json.load(open(tmp_path / f"out_{n}.json")) for n in (1, 2))
     assert o1["tokens"] == o2["tokens"] and o1["loss"] == pytest.approx(o2["loss"], abs=1e-6)
-    assert g1.keys() == g2.keys() and all(".lora_" in n for n in g1) == lora
+    assert g1.keys() == g2.keys() and all(".lora_" in n for n in g1) == (mode == "lora")
     for n in g1:
         torch.testing.assert_close(g1[n], g2[n], atol=1e-6, rtol=1e-5)
     assert w1.keys() == w2.keys() and not any("lora" in n for n in w1)
