@@ -378,24 +378,30 @@ class Trainer:
             total = torch.cuda.mem_get_info(self.device)[1] / 2**30 if self.device.type == "cuda" else None
             reshard(self.model)
             self.optimizer.zero_grad(set_to_none=True)
-            cfg, levers = self.config, []
-            if cfg.lora is None:
-                levers.append("LoRA (TrainerConfig(lora=LoRAConfig()), launch --lora-rank 16): gradients and "
-                              "AdamW state for the adapters only")
-            if not cfg.cpu_offload:
-                levers.append("cpu_offload=True (--offload): weights, gradients and AdamW state on the host")
-            if self.reference is not None and not cfg.reference_offload:
-                levers.append("reference_offload=True (--reference-offload)")
-            if not getattr(self.model, "is_gradient_checkpointing", False):
-                levers.append("activation_checkpointing=True")
-            levers.append(f"a smaller micro_batch_tokens (now {cfg.micro_batch_tokens}); more GPUs (every "
-                          "trainer part is sharded), or a smaller model")
+            levers = self._memory_levers(getattr(self.model, "is_gradient_checkpointing", False))
+            levers.append(f"a smaller micro_batch_tokens (now {self.config.micro_batch_tokens}); more GPUs "
+                          "(every trainer part is sharded), or a smaller model")
             raise MemoryError(
                 f"training ran out of device memory in {what}"
                 + (f" asking for {asked.group(1)} more" if asked else "") + ": this rank held "
                 + ", ".join(f"{k} {v:.1f} GiB" for k, v in sizes.items()) + " (activations on top)"
                 + (f" of the {total:.1f} GiB {torch.cuda.get_device_name(self.device)}" if total else "")
-                + ". The step's gradients were freed (weights unchanged). Levers: " + "; ".join(levers) + ".") from e
+                + ". The step's gradients were freed (weights unchanged). Levers: " + "; ".join(levers) + "."
+            ) from e
+
+    def _memory_levers(self, checkpointing: bool) -> list[str]:
+        """The settings of this trainer that would lower its device memory, as a user sets them."""
+        cfg, levers = self.config, []
+        if cfg.lora is None:
+            levers.append("LoRA (TrainerConfig(lora=LoRAConfig()), launch --lora-rank 16): gradients and "
+                          "AdamW state for the adapters only")
+        if not cfg.cpu_offload:
+            levers.append("cpu_offload=True (--offload): weights, gradients and AdamW state on the host")
+        if self.reference is not None and not cfg.reference_offload:
+            levers.append("reference_offload=True (--reference-offload)")
+        if not checkpointing:
+            levers.append("activation_checkpointing=True")
+        return levers
 
     def rebalance(self, rollouts: list) -> list:
         """Every rank's rollouts, re-split so each rank holds about as many tokens (collective)."""
@@ -441,11 +447,8 @@ class Trainer:
         raise MemoryError(f"one micro-batch of {n} tokens does not fit in training memory on "
                           f"{torch.cuda.get_device_name(dev)} (activation checkpointing {'on' if on else 'off'}): "
                           f"its forward_backward {need}, AdamW's first step adds {adam / 2**30:.1f} GiB, and "
-                          f"{limit / 2**30:.1f} GiB is usable. Levers: a lower micro_batch_tokens"
-                          + ("" if on else ", activation_checkpointing=True")
-                          + ("" if self.config.lora else ", LoRA (lora=LoRAConfig(), --lora-rank 16)")
-                          + ("" if self.config.cpu_offload else ", cpu_offload=True (--offload)")
-                          + ", more GPUs, or a smaller model")
+                          f"{limit / 2**30:.1f} GiB is usable. Levers: a lower micro_batch_tokens, "
+                          + "; ".join([*self._memory_levers(on), "more GPUs, or a smaller model"]))
 
     def _trial_peak(self, n: int) -> int | None:
         """Peak bytes allocated by one forward_backward over n random tokens (None: out of memory)."""
