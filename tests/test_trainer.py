@@ -209,6 +209,7 @@ tr.gather(lambda bucket: weights.update((n, t.clone()) for n, t in bucket), dtyp
 if rank == 0:
     torch.save((grads, weights), {out!r} + f"/grads_{{world}}.pt")
     json.dump(out, open({out!r} + f"/out_{{world}}.json", "w"))
+dist.barrier()                                  # both ranks tear down together
 tr.close()
 """
 
