@@ -438,7 +438,8 @@ class EpisodeRunner:
             done(result)
         except BaseException as e:
             self._failed = self._failed or e
-        self._work.set()
+        self._groups.discard(asyncio.current_task())   # before the wake-up: a session woken first would
+        self._work.set()                               # see this group and wait out idle_s for nothing
 
     async def _serve(self, feed: Callable[[], bool], idle_s: float) -> None:
         self._loop, self._work, self._failed = asyncio.get_running_loop(), asyncio.Event(), None

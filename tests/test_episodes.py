@@ -141,6 +141,21 @@ def test_single_turn_is_the_one_turn_episode(wm):
             assert r.info["turns"] == 1 and r.policy_version == wm.policy_version
 
 
+def test_a_run_returns_when_its_last_group_ends(wm, monkeypatch):
+    """No tool waits here, so nothing is ever idle: the session ends as its last group does (it once
+    waited out run()'s 1 s idle poll after the last group, a second added to every co-located step,
+    under Python 3.12's asyncio.wait_for, which wakes its caller before the group's task is gone)."""
+    async def wait_for(aw, timeout):                  # Python 3.12's, on any version
+        async with asyncio.timeout(timeout):
+            return await aw
+    monkeypatch.setattr(asyncio, "wait_for", wait_for)
+    runner = EpisodeRunner(wm.as_vllm(), sampling={"max_tokens": 2})
+    for _ in range(2):
+        batches = runner.run(single_turn(lambda p, c: 1.0), ["1+1=", "2+1="], group_size=2)
+        assert [len(b) for b in batches] == [2, 2]
+    assert runner.stats["idle_s"] < 0.5, runner.stats     # 2 s when each run waited out its poll
+
+
 def test_a_cut_last_turn_ends_the_rollout_with_length(wm):
     """A returned episode ends with its last turn's vLLM finish reason: one cut by max_tokens is
     "length" (what over-long filtering and len/truncated look for), one that sampled EOS is "stop"."""
