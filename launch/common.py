@@ -75,7 +75,8 @@ def parse_args(doc: str, run_dir: str, argv=None):
     add("--resume", action="store_true", help="continue from the latest checkpoint in RUN_DIR")
     add("--eager", action="store_true", help="vLLM without CUDA graphs (always so on CPU)")
     add("--compilation-config", type=json_object, default=None, metavar="JSON",
-        help='vLLM\'s compilation_config (default: vLLM\'s own), e.g. \'{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}\'')
+        help='vLLM\'s compilation_config (default: full CUDA graphs on Hopper, vLLM\'s own elsewhere), '
+             'e.g. \'{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}\'')
     add("--no-verify", action="store_true", help="skip the check of every weight sync")
     add("--no-sync", action="store_true", help="(co-located) ablation: never load trained weights into vLLM")
     add("--sleep-level", type=int, default=None, choices=[0, 2], help="(co-located) default: planned")

@@ -54,9 +54,10 @@ class ManagedLLM(LLM):
 def engine_kwargs(user: dict, *, sleep: bool, seed: int, colocated: bool = True) -> dict:
     """The user's LLM kwargs over in-process defaults: the seed; processed log-probs (they include
     temperature, as get_logprobs(..., temperature=T)); co-located, external_launcher (else an error);
-    on CUDA sleep mode when asked, and vLLM's own compilation (torch.compile with full CUDA graphs
-    for decode steps and piecewise ones for steps that mix prefill and decode, as multi-turn
-    episodes do all the time; enforce_eager=True for none); on CPU eager and a small KV cache."""
+    on CUDA sleep mode when asked, and torch.compile with CUDA graphs: on Hopper full graphs for
+    every step (FULL_GRAPHS_ON), elsewhere vLLM's own (full graphs for decode steps, piecewise ones
+    for steps that mix prefill and decode); a compilation_config of the user's, or enforce_eager=True
+    for no graphs, wins; on CPU eager and a small KV cache."""
     kw = {"logprobs_mode": "processed_logprobs", "seed": seed, **user}
     if colocated:
         backend = kw.setdefault("distributed_executor_backend", "external_launcher")
@@ -73,7 +74,17 @@ def engine_kwargs(user: dict, *, sleep: bool, seed: int, colocated: bool = True)
         return kw
     if sleep:
         kw.setdefault("enable_sleep_mode", True)
+    if ("compilation_config" not in kw and not kw.get("enforce_eager") and not kw.get("enable_lora")
+            and torch.cuda.get_device_capability()[0] in FULL_GRAPHS_ON):   # adapters: not measured under FULL
+        kw["compilation_config"] = {"cudagraph_mode": "FULL"}
     return kw
+
+
+FULL_GRAPHS_ON = (9,)
+"""CUDA compute capabilities (major) whose default attention backend (FlashAttention 3 on Hopper)
+captures full CUDA graphs for steps that mix prefill and decode too, which episodes and any
+continuous batching run all the time. Measured on one H200 (Qwen3-0.6B shape, 195k sampled tokens):
+a raw llm.generate 11.9 s under vLLM's own mode, 7.8 s under FULL (benchmarks/results/2026-12-02-b)."""
 
 
 def build_llm(model: str, **kwargs) -> ManagedLLM:
@@ -248,6 +259,13 @@ def lora_request(path: str, adapter_id: int):
     0.22 and 0.32, the same three arguments.)"""
     from vllm.lora.request import LoRARequest
     return LoRARequest(lora_name=f"adapter-{adapter_id}", lora_int_id=adapter_id, lora_path=str(path))
+
+
+def cudagraph_limit(llm: LLM) -> int | None:
+    """The most tokens a step may schedule and still replay a CUDA graph (None: no graphs, or unknown)."""
+    cc = getattr(getattr(llm.llm_engine, "vllm_config", None), "compilation_config", None)
+    sizes = getattr(cc, "cudagraph_capture_sizes", None)
+    return max(sizes) if sizes and getattr(cc, "cudagraph_mode", None) else None    # CUDAGraphMode.NONE is falsy
 
 
 @contextlib.contextmanager

@@ -132,6 +132,24 @@ def test_bad_arguments_fail_before_any_work(tiny_model, kwargs, err, msg):
         WeightManager(kwargs.pop("model"), **kwargs)
 
 
+def test_engine_compiles_full_graphs_on_hopper_only(monkeypatch):
+    """CUDA graphs for every step where the attention backend captures mixed steps (Hopper), vLLM's
+    own mode elsewhere; the user's compilation_config, enforce_eager or adapter serving win."""
+    import torch
+    cap = [(9, 0)]
+    monkeypatch.setattr(vc, "ON_CPU", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cap[0])
+    kw = lambda **user: vc.engine_kwargs(user, sleep=False, seed=0, colocated=False)
+    assert kw()["compilation_config"] == {"cudagraph_mode": "FULL"}
+    assert kw(compilation_config={"mode": 0})["compilation_config"] == {"mode": 0}
+    assert "compilation_config" not in kw(enforce_eager=True)
+    assert "compilation_config" not in kw(enable_lora=True)
+    for other in [(8, 0), (10, 0), (12, 0)]:
+        cap[0] = other
+        assert "compilation_config" not in kw(), other
+
+
 def test_model_directory_without_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         WeightManager(str(tmp_path))
