@@ -84,22 +84,27 @@ def timed(llm, fn, runner=None) -> dict:
                    loop_turns=runner.stats["yields"] - before["yields"],   # event-loop turns between steps
                    busy_s=round(runner.stats["busy_s"] - before["busy_s"], 3),   # steps + admissions
                    idle_s=round(runner.stats["idle_s"] - before["idle_s"], 3))   # every episode in a tool
-    return {**out, **step_summary(steps, wall - out.get("idle_s", 0.0))}
+    return {**out, **step_summary(steps, wall - out.get("idle_s", 0.0), vc.cudagraph_limit(llm))}
 
 
-def step_summary(steps: list[tuple], wall: float) -> dict:
+def step_summary(steps: list[tuple], wall: float, graph_limit: int | None = None) -> dict:
     """Engine steps of one run (vllm_compat.recorded_steps' records): how many, seconds inside them,
     the rest of `wall` (the run's time less idle waits: the loop's own), mean ms a step; steps whose
-    batch held prefill tokens vs decode-only ones (None where the scheduler was out of reach)."""
+    batch held prefill tokens vs decode-only ones (None where the scheduler was out of reach), the
+    prefill steps' mean scheduled tokens, and how many steps scheduled more tokens than the largest
+    CUDA graph (graph_limit: those run without one)."""
     ms = lambda xs: round(1e3 * sum(xs) / len(xs), 3) if xs else None
     inside = sum(s for s, _, _ in steps)
     prefill = [s for s, _, p in steps if p is True]
     decode = [s for s, _, p in steps if p is False]
     known = bool(prefill or decode)
+    tokens = [n for _, n, p in steps if p is True and n is not None]
     return {"engine_steps": len(steps), "step_s": round(inside, 3), "loop_s": round(wall - inside, 3),
             "ms_per_step": ms([s for s, _, _ in steps]),
             "prefill_steps": len(prefill) if known else None, "prefill_ms": ms(prefill),
+            "prefill_tokens": round(sum(tokens) / len(tokens), 1) if tokens else None,
             "decode_steps": len(decode) if known else None, "decode_ms": ms(decode),
+            "over_graph_limit": sum(n > graph_limit for _, n, _ in steps if n is not None) if graph_limit else None,
             "loop_ms_per_step": round(1e3 * (wall - inside) / len(steps), 3) if steps else None}
 
 
@@ -197,10 +202,11 @@ def markdown(doc) -> str:
     lines += [f"| {m['admit_wait_steps']} | {m['wall_s']} | {m['tokens_per_s']} | {m['ratio']} | {m['engine_steps']} | "
               f"{m['admissions']} |" for m in doc["admission"]]
     keys = ("engine_steps", "loop_turns", "step_s", "idle_s", "loop_s", "ms_per_step", "loop_ms_per_step", "prefill_steps",
-            "prefill_ms", "decode_steps", "decode_ms")
+            "prefill_ms", "prefill_tokens", "decode_steps", "decode_ms", "over_graph_limit")
     lines += ["", "Where the time goes: seconds inside engine steps, idle (every episode in a tool call, nothing "
               "to step), the loop's own (the rest: admission, asyncio, Rollout assembly; for llm.generate its "
-              "own loop and request setup), per step; steps whose batch held prefill tokens vs decode-only ones. "
+              "own loop and request setup), per step; steps whose batch held prefill tokens vs decode-only ones "
+              "(with the prefill steps' mean scheduled tokens); steps larger than the largest CUDA graph. "
               f"Threads beside the loop: {doc['threads']}.", "",
               "| run | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
     lines += [f"| {name} | " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for name, r in rows]
