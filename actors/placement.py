@@ -11,6 +11,7 @@ CPU test cluster. Which device a process uses is decided inside it (torch.cuda.i
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
@@ -124,16 +125,24 @@ class RankActor:
 
 
 def start_ranks(actor_cls, num: int, *, bundle: dict | None = None, timeout_s: float = 600.0,
-                args: tuple = ()):
+                args: tuple = (), setup: Callable | None = None):
     """One placement group of `num` bundles, one actor_cls(rank, num, *args) per bundle, wired
-    into one world. Returns (pg, actors)."""
+    into one world, then setup(actor) (an actor call) on each. Returns (pg, actors). If any of it
+    fails, the actors and their group are removed before the error is raised."""
     ray_init()
-    bundle = bundle or default_bundle()
+    bundle, actors = bundle or default_bundle(), []
     pg = create([dict(bundle)] * num, strategy="PACK")
-    wait_ready(pg, timeout_s, f"{num} training or co-located ranks")
-    actors = [actor_cls.options(**on_bundle(pg, i, num_cpus=bundle.get("CPU", 1),
-                                            num_gpus=bundle.get("GPU", 0))).remote(i, num, *args)
-              for i in range(num)]
-    addr, port = ray.get(actors[0].address.remote(), timeout=timeout_s)
-    ray.get([a.configure.remote(addr, port) for a in actors], timeout=timeout_s)
+    try:
+        wait_ready(pg, timeout_s, f"{num} training or co-located ranks")
+        actors = [actor_cls.options(**on_bundle(pg, i, num_cpus=bundle.get("CPU", 1),
+                                                num_gpus=bundle.get("GPU", 0))).remote(i, num, *args)
+                  for i in range(num)]
+        addr, port = ray.get(actors[0].address.remote(), timeout=timeout_s)
+        ray.get([a.configure.remote(addr, port) for a in actors], timeout=timeout_s)
+        ray.get([setup(a) for a in actors] if setup else [], timeout=timeout_s)
+    except BaseException:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        remove(pg)
+        raise
     return pg, actors

@@ -142,8 +142,8 @@ class TrainingActor(placement.RankActor):
 
 def start_trainers(num: int, model: str, queue_address: str, *, bundle: dict | None = None,
                    timeout_s: float = 600.0, **kwargs):
-    """(pg, actors): N training ranks in one placement group, each a TrainWorker(model, queue_address, **kw)."""
+    """(pg, actors): N training ranks in one placement group, each a TrainWorker(model, queue_address, **kw)
+    (a rank's error is raised once the ranks and their group are gone)."""
     kwargs.setdefault("queue_token", tokens.known(kwargs.get("namespace", DEFAULT_NAMESPACE), queue_address))
-    pg, actors = placement.start_ranks(TrainingActor, num, bundle=bundle, timeout_s=timeout_s)
-    ray.get([a.setup.remote(model, queue_address, kwargs) for a in actors], timeout=timeout_s)
-    return pg, actors
+    return placement.start_ranks(TrainingActor, num, bundle=bundle, timeout_s=timeout_s,
+                                 setup=lambda a: a.setup.remote(model, queue_address, kwargs))

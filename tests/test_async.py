@@ -5,6 +5,7 @@ Needs: CPU only (4 logical CPUs of Ray resources on a 2-core box is fine). Slow-
 test starts vLLM engines in actors.
 """
 
+import contextlib
 import sys
 
 import pytest
@@ -15,6 +16,7 @@ from minirl import clipped_policy_loss, collate, get_logprobs
 from actors.server import RolloutServer
 from actors.training import TrainWorker
 from minirl.tasks import get_task
+from ray.util.placement_group import PlacementGroup
 
 pytestmark = pytest.mark.slow
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # loops below run in actors
@@ -49,6 +51,23 @@ def trainer_logprobs(worker, ids):
     return lp
 
 
+@pytest.fixture
+def cleanup():
+    """cleanup(server, trainer, pg, ...): shut down after the test, in that order, passed or failed, so
+    a failed test leaves no actor, queue or placement group to hold what the next one needs."""
+    held = []
+    yield lambda *objs: held.extend(objs)
+    for obj in held:
+        with contextlib.suppress(Exception):
+            if isinstance(obj, RolloutServer):
+                obj.shutdown(remove_queue=True)
+            elif isinstance(obj, PlacementGroup):
+                ray.util.remove_placement_group(obj)
+            else:
+                ray.get(obj.close.remote(), timeout=60)
+                ray.kill(obj)
+
+
 def _server(tiny_model, name, n_gen, n_prompts, **kw):
     task = get_task("succ")
     prompts, answers = task.sample(n_prompts, seed=7)
@@ -66,11 +85,13 @@ def _trainer(tiny_model, name, **kw):
 
 
 @pytest.mark.parametrize("transport, staleness, n_gen", [("object_store", 1, 1), ("collective", 0, 2)])
-def test_every_prompt_once_within_staleness_and_weights_arrive(ray_local, tiny_model, transport,
+def test_every_prompt_once_within_staleness_and_weights_arrive(ray_local, tiny_model, cleanup, transport,
                                                                staleness, n_gen):
     name = f"q-{transport}"
     srv = _server(tiny_model, name, n_gen, 24)
+    cleanup(srv)
     pg, (trainer,) = _trainer(tiny_model, name, transport=transport, max_staleness=staleness)
+    cleanup(trainer, pg)
     srv.run(block=False)
     out = ray.get(trainer.run.remote(train_loop), timeout=600)
     stats = srv.wait(timeout_s=120)
@@ -88,8 +109,6 @@ def test_every_prompt_once_within_staleness_and_weights_arrive(ray_local, tiny_m
         got = torch.tensor(ray.get(g["actor"].prompt_logprobs.remote(PROBE)))
         assert (got - want).abs().max() < 1e-4
     assert srv.queue_stats()["recycled_stale"] == 0              # staleness by admission: nothing re-made
-    srv.shutdown(remove_queue=True)
-    ray.get(trainer.close.remote()); ray.kill(trainer); ray.util.remove_placement_group(pg)
 
 
 def slow_reward(prompt, completion, answer):
@@ -113,7 +132,7 @@ def slow_train_loop(worker):
     return {**train_loop(worker), "lags": lags, "queue": worker.queue_stats()}
 
 
-def test_staleness_bound_by_admission_with_slow_trainer_and_slow_prompts(ray_local, tiny_model):
+def test_staleness_bound_by_admission_with_slow_trainer_and_slow_prompts(ray_local, tiny_model, cleanup):
     """A slow trainer and slow prompts (a long-tail reward): every token trained at version t was
     sampled at >= t - 1, every prompt trained once, and no finished batch was thrown away
     (recycled_stale 0; the same timing recycles under the old rule: tests/test_hub.py)."""
@@ -122,14 +141,14 @@ def test_staleness_bound_by_admission_with_slow_trainer_and_slow_prompts(ray_loc
     srv = RolloutServer(tiny_model, "q-slow", reward_fn=slow_reward, num_generators=2, group_size=2,
                         sampling={"max_tokens": 2}, queue_size=16, prompts_per_call=4, llm_kwargs=LLM)
     srv.submit(prompts, metadata=answers)
+    cleanup(srv)
     pg, (trainer,) = _trainer(tiny_model, "q-slow", max_staleness=1)
+    cleanup(trainer, pg)
     srv.run(block=False)
     out = ray.get(trainer.run.remote(slow_train_loop), timeout=600)
     srv.wait(timeout_s=120)
     assert sorted(out["uids"]) == list(range(24)) and max(out["lags"]) <= 1
     assert out["queue"]["recycled_stale"] == 0 and out["queue"]["admission"]
-    srv.shutdown(remove_queue=True)
-    ray.get(trainer.close.remote()); ray.kill(trainer); ray.util.remove_placement_group(pg)
 
 
 def episode_loop(worker):
@@ -144,7 +163,7 @@ def episode_loop(worker):
     return {**train_loop(worker), "episodes": seen}
 
 
-def test_episodes_on_the_async_backend_every_prompt_once(ray_local, tiny_model):
+def test_episodes_on_the_async_backend_every_prompt_once(ray_local, tiny_model, cleanup):
     """The lookup environment's two-turn episodes (tool call, tool answer, answer) through the
     generators: every prompt trained exactly once, every rollout two sampled turns around the tool's
     two tokens (loss_mask 1 0 0 1)."""
@@ -154,23 +173,25 @@ def test_episodes_on_the_async_backend_every_prompt_once(ray_local, tiny_model):
     srv = RolloutServer(tiny_model, "q-episodes", episode=env.episode, group_size=4, queue_size=16,
                         prompts_per_call=4, llm_kwargs=LLM)
     srv.submit(prompts, metadata=keys)
+    cleanup(srv)
     pg, (trainer,) = _trainer(tiny_model, "q-episodes", max_staleness=1)
+    cleanup(trainer, pg)
     srv.run(block=False)
     out = ray.get(trainer.run.remote(episode_loop), timeout=600)
     stats = srv.wait(timeout_s=120)
     assert sorted(out["uids"]) == list(range(12)) and stats["failures"] == 0   # each trained once
     assert len(out["episodes"]) == 48 and {str(e[:2]) for e in out["episodes"]} == {"([1, 0, 0, 1], 2)"}
     assert {e[2] for e in out["episodes"]} <= {"stop", "length"}      # the answer turn's vLLM finish reason
-    srv.shutdown(remove_queue=True)
-    ray.get(trainer.close.remote()); ray.kill(trainer); ray.util.remove_placement_group(pg)
 
 
-def test_killed_generator_restarts_with_current_weights(ray_local, tiny_model):
+def test_killed_generator_restarts_with_current_weights(ray_local, tiny_model, cleanup):
     import time
     name = "q-kill"
     srv = _server(tiny_model, name, 2, 40)
+    cleanup(srv)
     victim = next(iter(srv.generators))
     pg, (trainer,) = _trainer(tiny_model, name, max_staleness=1)
+    cleanup(trainer, pg)
     srv.run(block=False)
     done = trainer.run.remote(train_loop)
     deadline = time.time() + 300
@@ -191,8 +212,17 @@ def test_killed_generator_restarts_with_current_weights(ray_local, tiny_model):
             assert time.time() < deadline, "the killed generator did not come back within 180 s"
             time.sleep(1)
     assert info["restarted"] and info["version"] == out["version"]  # back, with current weights
-    srv.shutdown(remove_queue=True)
-    ray.get(trainer.close.remote()); ray.kill(trainer); ray.util.remove_placement_group(pg)
+
+
+def test_a_trainer_that_fails_to_start_leaves_nothing_behind(ray_local, tiny_model):
+    """A rank whose setup raises: start_trainers raises that error, its actor and placement group gone."""
+    from actors.training import start_trainers
+    from ray.util.placement_group import placement_group_table
+    before = set(placement_group_table())
+    with pytest.raises(ValueError, match="max_staleness must be >= 0"):
+        start_trainers(1, tiny_model, "q-never", max_staleness=-1, timeout_s=120)
+    new = {k: v["state"] for k, v in placement_group_table().items() if k not in before}
+    assert new and set(new.values()) == {"REMOVED"}, new
 
 
 def test_wrong_queue_name_and_wrong_model(ray_local, tiny_model, tmp_path):
