@@ -72,13 +72,13 @@ for stage in "$@"; do
     longtail-1gpu)   # co-located vs async sharing one H200 (0.6B shape, 128 x 8, median 500 tokens): the two
       # parts take ~5 min each, so one per call: LONGTAIL_PARTS=async LONGTAIL_MERGE=<the colocated JSON>
       m=${LONGTAIL_MERGE:-}; merge=(); [[ -n $m ]] && merge=(--merge "$m")
-      timeout 560 python benchmarks/async_longtail.py --shape qwen3-0.6b --gpus 1 --steps 2 --warmup 1 \
+      timeout 560 python benchmarks/async_longtail.py --shape qwen3-0.6b --gpus 1 --steps 4 --warmup 1 \
         --parts "${LONGTAIL_PARTS:-colocated}" --timeout 330 "${merge[@]}" \
         --out "$out/longtail_h200_qwen3-0.6b_1gpu.json" 2>&1 | tail -25 ;;
     longtail-1gpu-ideal)   # gen and train alone (the ideal), merged with longtail-1gpu's JSON, then the cost model
       # (~4-5 min; its own call). LONGTAIL_MERGE=that JSON when it is not in this OUT_DIR (e.g. copied into the tree).
       m=${LONGTAIL_MERGE:-$out/longtail_h200_qwen3-0.6b_1gpu.json}; merge=(); [[ -f $m ]] && merge=(--merge "$m")
-      timeout 560 python benchmarks/async_longtail.py --shape qwen3-0.6b --gpus 1 --steps 2 --warmup 1 \
+      timeout 560 python benchmarks/async_longtail.py --shape qwen3-0.6b --gpus 1 --steps 4 --warmup 1 \
         --parts gen_alone,train_alone --timeout 330 "${merge[@]}" \
         --out "$out/longtail_h200_qwen3-0.6b_1gpu_all.json" 2>&1 | tail -25
       python benchmarks/cost_model.py "$out/longtail_h200_qwen3-0.6b_1gpu_all.json" --gpus 8 64 \
