@@ -48,49 +48,60 @@ def _chunk_tokens(n: int, vocab: int, chunk_size: int | None) -> int:
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """log_softmax(logits / T)[target] for (N, V) logits, a chunk of rows at a time. Forward keeps
-    only the logits and an (N,) logsumexp; backward rebuilds each chunk's softmax in place and
-    writes its gradient into the (N, V) result (extra memory: that plus one fp32 block)."""
+    """log_softmax(logits / T)[target] for (N, V) logits, a chunk of rows at a time, and (when asked)
+    each row's entropy from the same log-softmax. Forward keeps only the logits; backward rebuilds
+    each chunk's softmax and writes (onehot - p) * g / T into the (N, V) result in the logits' dtype
+    (extra memory: that plus fp32 blocks). One fused softmax kernel a chunk each way (on CUDA it reads
+    bf16 and accumulates in fp32), the rest in place: every pass over (chunk, V) is memory traffic."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, chunk):
+    def forward(ctx, logits, targets, temperature, chunk, entropy):
         acc = torch.promote_types(logits.dtype, torch.float32)   # fp32 (fp64 stays fp64)
         out = torch.empty(len(logits), dtype=acc, device=logits.device)
-        lse = torch.empty_like(out)
+        ent = torch.empty(len(logits) if entropy else 0, dtype=acc, device=logits.device)
         for s in range(0, len(logits), chunk):
-            x = logits[s:s + chunk].to(acc) / temperature         # (c, V), one block
-            lse[s:s + chunk] = torch.logsumexp(x, dim=-1)
-            out[s:s + chunk] = x.gather(-1, targets[s:s + chunk, None]).squeeze(-1)
-        out -= lse
-        ctx.save_for_backward(logits, targets, lse)
+            logp = torch.log_softmax(_scaled(logits[s:s + chunk], temperature, acc), -1, dtype=acc)   # (c, V)
+            out[s:s + chunk] = logp.gather(-1, targets[s:s + chunk, None]).squeeze(-1)
+            if entropy:                                        # -sum p log p; entr(0) = 0: -inf logits, no NaN
+                ent[s:s + chunk] = torch.special.entr(logp.exp_(), out=logp).sum(-1)
+        ctx.save_for_backward(logits, targets)
         ctx.temperature, ctx.chunk = temperature, chunk
-        return out
+        ctx.mark_non_differentiable(ent)
+        return out, ent
 
     @staticmethod
-    def backward(ctx, grad_out):
-        logits, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_out, _):
+        logits, targets = ctx.saved_tensors
         temp, chunk = ctx.temperature, ctx.chunk
         grad = torch.empty_like(logits)
         for s in range(0, logits.shape[0], chunk):
-            g = grad_out[s:s + chunk, None].to(lse.dtype)              # (c, 1)
-            x = logits[s:s + chunk].to(lse.dtype, copy=True)          # (c, V), the one block
-            x.div_(temp).sub_(lse[s:s + chunk, None]).exp_().mul_(-g)   # d/dx of -lse: -g * p
-            x.scatter_add_(-1, targets[s:s + chunk, None], g)         # d/dx of x[target]
-            grad[s:s + chunk] = x.div_(temp)
-        return grad, None, None, None
+            tgt = targets[s:s + chunk, None]
+            p = torch.softmax(_scaled(logits[s:s + chunk], temp, grad_out.dtype), -1, dtype=grad_out.dtype)
+            g = grad_out[s:s + chunk, None] / temp                              # (c, 1)
+            at_target = g * (1 - p.gather(-1, tgt))                            # d/dx[target]
+            grad[s:s + chunk] = p.mul_(g.neg_()).scatter_(-1, tgt, at_target)   # elsewhere -g p / T
+        return grad, None, None, None, None
+
+
+def _scaled(x: torch.Tensor, temperature: float, acc: torch.dtype) -> torch.Tensor:
+    """x / temperature in acc (a new tensor), or x itself at temperature 1 (softmax casts it)."""
+    return x if temperature == 1.0 else x.to(acc, copy=True).div_(temperature)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                   chunk_size: int | None = None) -> torch.Tensor:
+                   chunk_size: int | None = None, entropy: bool = False):
     """log p(targets[i]) under softmax(logits[i] / temperature): (N, V), (N,) -> (N,), no shift.
-    fp32 (fp64 for fp64 logits), differentiable, chunked: never an fp32 copy of the logits."""
+    fp32 (fp64 for fp64 logits), differentiable, chunked: never an fp32 copy of the logits. With
+    entropy=True returns (log-probs, entropies): each row's entropy of that same distribution (nats,
+    no gradient), from the same pass over the logits (entropy_from_logits takes another)."""
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)}: pass "
                          "(N, V) logits and the (N,) token ids they score")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (1.0 for plain log_softmax), got {temperature}")
-    return _TokenLogprobs.apply(logits, targets.to(device=logits.device, dtype=torch.long),
-                                float(temperature), _chunk_tokens(*logits.shape, chunk_size))
+    lp, ent = _TokenLogprobs.apply(logits, targets.to(device=logits.device, dtype=torch.long),
+                                   float(temperature), _chunk_tokens(*logits.shape, chunk_size), entropy)
+    return (lp, ent) if entropy else lp
 
 
 def get_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *, temperature: float = 1.0,
@@ -252,7 +263,8 @@ def ppo_loss_fn(*, clip_low: float = 0.2, clip_high: float | None = 0.28,
                 dual_clip: float | None = None, entropy: bool = True):
     """A loss_fn for Trainer.forward_backward: loss_fn(logprobs (n,), batch, logits (n, V)) ->
     (clipped surrogate (n,), per-token stats {name: (n,)}): clip_frac, approx_kl (k3), ratio
-    (pi_theta / pi_sampler: the sampling log-probs are the old policy) and, if `entropy`, entropy."""
+    (pi_theta / pi_sampler: the sampling log-probs are the old policy) and, if `entropy`, entropy
+    (batch.entropy: the Trainer's, of the sampling distribution; else entropy_from_logits(logits))."""
     _check_clip(clip_low, clip_high)
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
@@ -265,7 +277,7 @@ def ppo_loss_fn(*, clip_low: float = 0.2, clip_high: float | None = 0.28,
             stats = {"clip_frac": _clipped(ratio, adv, clip_low, clip_high).float(),
                      "approx_kl": kl_k3(old, logprobs.float()), "ratio": ratio}
             if entropy:
-                stats["entropy"] = entropy_from_logits(logits)
+                stats["entropy"] = batch.entropy if batch.entropy is not None else entropy_from_logits(logits)
         return per_token, stats
     return loss_fn
 

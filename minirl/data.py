@@ -284,6 +284,7 @@ class PackedBatch(_Tensors):
     seq_index: torch.Tensor        # (n,) int64, which rollout (0..S-1) each token belongs to
     rollouts: list
     ref_logprobs: torch.Tensor | None = None   # (n,) fp32, the reference policy's (Trainer sets it)
+    entropy: torch.Tensor | None = None        # (n,) fp32, of each target's distribution (Trainer sets it)
 
     @property
     def num_tokens(self) -> int:

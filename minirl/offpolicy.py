@@ -43,7 +43,7 @@ def decoupled_loss_fn(correction: str = "tis", *, clip_low: float = 0.2, clip_hi
             stats = {"clip_frac": clipped.float(),
                      "approx_kl": kl_k3(old, prox), "ratio": ratio, "is_weight": w}
             if entropy:
-                stats["entropy"] = entropy_from_logits(logits)
+                stats["entropy"] = batch.entropy if batch.entropy is not None else entropy_from_logits(logits)
         return per_token, stats
     return loss_fn
 

@@ -282,19 +282,21 @@ class Trainer:
     # -- the step verbs ---------------------------------------------------------------------------
 
     def forward_backward(self, rollouts, loss_fn, *, temperature: float = 1.0,
-                         num_global_tokens: int | None = None) -> dict[str, float]:
+                         num_global_tokens: int | None = None, entropy: bool = True) -> dict[str, float]:
         """Accumulate the gradient of sum(loss_fn's per-token loss) / num_global_tokens.
 
         `rollouts` are this rank's (any split: see rebalance). num_global_tokens defaults to the
         scored tokens of every rank's rollouts (an all-reduce), which makes the result the token
         mean over the global batch; pass it to spread one batch over several calls. Ranks may
-        hold different numbers of micro-batches (the short ones run empty passes). Returns the
-        global token means of the loss and of every value loss_fn reports, and "tokens".
+        hold different numbers of micro-batches (the short ones run empty passes). With entropy,
+        loss_fn's batch.entropy holds each scored token's entropy at `temperature`, from the same
+        pass over the logits as the log-probs. Returns the global token means of the loss and of
+        every value loss_fn reports, and "tokens".
         """
         with self._explain_oom(f"forward_backward (micro-batches of <= {self.config.micro_batch_tokens} tokens)"):
-            return self._forward_backward(list(rollouts), loss_fn, temperature, num_global_tokens)
+            return self._forward_backward(list(rollouts), loss_fn, temperature, num_global_tokens, entropy)
 
-    def _forward_backward(self, rollouts, loss_fn, temperature, num_global_tokens) -> dict[str, float]:
+    def _forward_backward(self, rollouts, loss_fn, temperature, num_global_tokens, entropy) -> dict[str, float]:
         self.model.train()
         mbs = pack(rollouts, self.config.micro_batch_tokens)
         counts = torch.tensor([sum(mb.num_tokens for mb in mbs), len(mbs)], device=self.device)
@@ -318,7 +320,8 @@ class Trainer:
                 (logits.sum() * 0).backward()              # an empty pass: FSDP2 collectives match
                 continue
             mb.ref_logprobs = ref                          # (n,) fp32 or None
-            lp = token_logprobs(logits, mb.targets, temperature=temperature)      # (n,)
+            out = token_logprobs(logits, mb.targets, temperature=temperature, entropy=entropy)
+            lp, mb.entropy = out if entropy else (out, None)                   # (n,), (n,) or None
             per_token, stats = loss_fn(lp, mb, logits)
             loss = per_token.sum()
             (loss * scale).backward()

@@ -484,6 +484,33 @@ def test_entropy():
         entropy_from_logits(x, chunk_size=0)
 
 
+def test_token_logprobs_entropy_from_the_same_pass():
+    """entropy=True: each row's entropy of softmax(logits / T) beside the log-probs, hand-worked, and
+    equal to entropy_from_logits; no gradient through it, and the log-probs and their gradient unchanged."""
+    # p = [1/4, 3/4] (logits [0, log 3]): log p(1) = log 3/4, H = 0.5623; at T = 2 the same logits
+    # are [0, log 3 / 2]: p(1) = sqrt 3 / (1 + sqrt 3)
+    h = -(0.25 * L(0.25) + 0.75 * L(0.75))
+    lp, ent = token_logprobs(t([[0.0, L(3)]]), torch.tensor([1]), entropy=True)
+    close(lp, [L(0.75)], atol=1e-6)
+    close(ent, [h], atol=1e-6)
+    q = math.sqrt(3) / (1 + math.sqrt(3))
+    close(token_logprobs(t([[0.0, L(3)]]), torch.tensor([0]), temperature=2.0, entropy=True)[1],
+          [-(q * L(q) + (1 - q) * L(1 - q))], atol=1e-6)
+    # a masked (-inf) logit: p = 0 adds 0 log 0 = 0, not NaN
+    close(token_logprobs(t([[0.0, 0.0, float("-inf")]]), torch.tensor([0]), entropy=True)[1], [L(2)], atol=1e-6)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(37, 50, generator=g).bfloat16().requires_grad_()
+    tg = torch.randint(0, 50, (37,), generator=g)
+    for temp, chunk in [(1.0, None), (0.7, 5), (1.3, 100)]:
+        lp, ent = token_logprobs(x, tg, temperature=temp, chunk_size=chunk, entropy=True)
+        assert not ent.requires_grad and ent.dtype == torch.float32
+        torch.testing.assert_close(ent, entropy_from_logits(x.detach(), temperature=temp))
+        (grad,) = torch.autograd.grad(lp.sum(), x)
+        plain = token_logprobs(x, tg, temperature=temp, chunk_size=chunk)
+        assert torch.equal(lp, plain)
+        assert torch.equal(grad, torch.autograd.grad(plain.sum(), x)[0])
+
+
 # ==============================================================================================
 # KL estimators
 

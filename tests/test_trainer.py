@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import run_py
-from minirl import Rollout, clipped_policy_loss, collate, get_logprobs, pack, ppo_loss_fn
+from minirl import Rollout, clipped_policy_loss, collate, entropy_from_logits, get_logprobs, pack, ppo_loss_fn
+from minirl.core import masked_mean
 from minirl.data import split_by_tokens
 
 
@@ -97,6 +98,23 @@ def test_packed_unpacked_and_seed_loop_agree(trainer):
         torch.testing.assert_close(g1[n], g2[n], atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(g1[n], seed[n], atol=1e-6, rtol=1e-5)
     assert any(g.abs().sum() > 0 for g in g1.values())
+
+
+def test_logged_entropy_is_the_sampling_distributions(trainer):
+    """ppo_loss_fn's entropy comes from the trainer's log-prob pass (batch.entropy): the token mean
+    of the entropy of softmax(logits / T) at every scored position of the unpacked forward."""
+    rs = _rollouts()
+    batch = collate(rs)
+    with torch.no_grad():
+        logits = trainer.model(batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        want = float(masked_mean(entropy_from_logits(logits, temperature=0.8), batch.loss_mask))
+    out = trainer.forward_backward(rs, ppo_loss_fn(), temperature=0.8)
+    trainer.model.zero_grad(set_to_none=True)
+    assert out["entropy"] == pytest.approx(want, abs=1e-5) and want > 0
+    seen = []
+    trainer.forward_backward(rs, lambda lp, mb, lg: (seen.append(mb.entropy) or lp, {}), entropy=False)
+    trainer.model.zero_grad(set_to_none=True)
+    assert seen and all(e is None for e in seen)
 
 
 def test_non_finite_gradient_is_refused(trainer):
