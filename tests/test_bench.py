@@ -21,3 +21,22 @@ def test_switch_benchmark_smoke(tmp_path):
     assert all("probe_gap" not in s and s["switch_s"] > 0 for s in off["steps"])
     md = out.with_suffix(".md").read_text()
     assert "| resident-verified |" in md and "| resident |" in md
+
+
+def test_logprobs_benchmark_smoke(tmp_path):
+    """Both cores ran at every temperature; only the one with entropy=True has the fused run (the
+    baseline here: a core.py whose token_logprobs has no entropy, as before e0700ab)."""
+    old = tmp_path / "old_core.py"
+    old.write_text("from minirl import core\nfrom minirl.core import entropy_from_logits\n\n"
+                   "def token_logprobs(logits, targets, *, temperature=1.0):\n"
+                   "    return core.token_logprobs(logits, targets, temperature=temperature)\n")
+    out = tmp_path / "lp.json"
+    p = run_py(["benchmarks/logprobs.py", "--rows", "64", "--vocab", "1000", "--repeat", "1", "--baseline",
+                str(old), "--out", str(out)], timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert set(runs) == {f"{n} T={t}" for n in ("minirl", "baseline") for t in (1.0, 0.7)}
+    assert all("forward_with_entropy" in r for n, r in runs.items() if n.startswith("minirl"))
+    assert not any("forward_with_entropy" in r for n, r in runs.items() if n.startswith("baseline"))
+    assert all(r["forward_backward"]["s"] > 0 for r in runs.values())
+    assert "| baseline T=0.7 |" in out.with_suffix(".md").read_text()
