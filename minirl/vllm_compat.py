@@ -222,9 +222,12 @@ def shutdown(llm: LLM) -> None:
 def request_params(**kwargs) -> SamplingParams:
     """SamplingParams for add_request: the engine reports a request once, when it finishes
     (FINAL_ONLY; the default re-builds every running request's output at every step), with its
-    log-probs in flat lists (no dict and Logprob object per token). Both cut host time per step."""
+    log-probs in flat lists (no dict and Logprob object per token). Both cut host time per step. Each
+    request gets its own, so the engine need not deep-copy it (skip_clone: ~40% of add_request's
+    host time on CPU)."""
     from vllm.sampling_params import RequestOutputKind
-    return SamplingParams(**{"output_kind": RequestOutputKind.FINAL_ONLY, "flat_logprobs": True, **kwargs})
+    own = {"skip_clone": True} if "skip_clone" in getattr(SamplingParams, "__struct_fields__", ()) else {}
+    return SamplingParams(**{"output_kind": RequestOutputKind.FINAL_ONLY, "flat_logprobs": True, **own, **kwargs})
 
 
 def sampled_logprobs(completion) -> list[float]:

@@ -156,6 +156,20 @@ def test_a_run_returns_when_its_last_group_ends(wm, monkeypatch):
     assert runner.stats["idle_s"] < 0.5, runner.stats     # 2 s when each run waited out its poll
 
 
+def test_requests_share_nothing_the_engine_changes(wm):
+    """Each request's SamplingParams is its own (the engine does not deep-copy it): the user's
+    sampling dict and its lists come back unchanged however many requests were built from them."""
+    sampling = {"max_tokens": 3, "stop_token_ids": [7], "temperature": 1.0}
+    params = [vc.request_params(**sampling) for _ in range(2)]
+    assert params[0] is not params[1]
+    runner = EpisodeRunner(wm.as_vllm(), sampling=sampling)
+    for _ in range(2):
+        batches = runner.run(single_turn(lambda p, c: 1.0), ["1+1=", "2+1="], group_size=2)
+        assert [len(b) for b in batches] == [2, 2]
+        assert all(7 not in r.completion_ids[:-1] for b in batches for r in b)    # a stop token ends a turn
+    assert sampling == {"max_tokens": 3, "stop_token_ids": [7], "temperature": 1.0}
+
+
 def test_a_cut_last_turn_ends_the_rollout_with_length(wm):
     """A returned episode ends with its last turn's vLLM finish reason: one cut by max_tokens is
     "length" (what over-long filtering and len/truncated look for), one that sampled EOS is "stop"."""
