@@ -17,6 +17,7 @@ import json
 import math
 import numbers
 import os
+from array import array
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence, TypeVar
@@ -318,26 +319,36 @@ def pack(rollouts: Sequence[Rollout], max_tokens: int) -> list[PackedBatch]:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     out = []
     for row in split_by_tokens(_rollouts(rollouts, "pack"), 0, max_tokens=max_tokens):
-        ids, pos, cu, scored, targets, old, adv, seq = [], [], [0], [], [], [], [], []
+        ids, pos, cu, scored, targets, old, adv, seq = (array("q"), array("q"), array("i", [0]), array("q"),
+                                                         array("q"), array("f"), array("f"), array("q"))
         for s, r in enumerate(row):
             P, C, o = len(r.prompt_ids), len(r.completion_ids), cu[-1]
-            ids += r.prompt_ids + r.completion_ids
-            pos += range(P + C)
+            ids += array("q", r.prompt_ids + r.completion_ids)
+            pos += array("q", range(P + C))
             cu.append(o + P + C)
-            for j in (j for j in range(C) if r.loss_mask is None or r.loss_mask[j]):
-                scored.append(o + P - 1 + j)               # logits at P-1+j score completion token j
-                targets.append(r.completion_ids[j])
-                old.append(r.sampling_logprobs[j])
-                adv.append(r.advantage)
-                seq.append(s)
-        long = dict(dtype=torch.long)
+            if r.loss_mask is None:                        # logits at P-1+j score completion token j
+                scored += array("q", range(o + P - 1, o + P - 1 + C))
+                targets += array("q", r.completion_ids)
+                old += array("f", r.sampling_logprobs)
+            else:
+                js = [j for j, m in enumerate(r.loss_mask) if m]
+                scored += array("q", (o + P - 1 + j for j in js))
+                targets += array("q", (r.completion_ids[j] for j in js))
+                old += array("f", (r.sampling_logprobs[j] for j in js))
+            n = len(scored) - len(adv)
+            adv += array("f", [r.advantage]) * n
+            seq += array("q", [s]) * n
         out.append(PackedBatch(
-            torch.tensor([ids], **long), torch.tensor([pos], **long),
-            torch.tensor(cu, dtype=torch.int32), max(b - a for a, b in zip(cu, cu[1:])),
-            torch.tensor(scored, **long), torch.tensor(targets, **long),
-            torch.tensor(old, dtype=torch.float32), torch.tensor(adv, dtype=torch.float32),
-            torch.tensor(seq, **long), list(row)).to(row[0].device))
+            _tensor(ids).view(1, -1), _tensor(pos).view(1, -1), _tensor(cu),
+            max(b - a for a, b in zip(cu, cu[1:])), _tensor(scored), _tensor(targets), _tensor(old),
+            _tensor(adv), _tensor(seq), list(row)).to(row[0].device))
     return out
+
+
+def _tensor(a: array) -> torch.Tensor:
+    """A CPU tensor over an array's buffer (no per-element conversion, as torch.tensor(list) does)."""
+    dtype = {"q": torch.int64, "i": torch.int32, "f": torch.float32}[a.typecode]
+    return torch.frombuffer(a, dtype=dtype) if len(a) else torch.empty(0, dtype=dtype)
 
 
 # ------------------------------------- save / load (JSON lines: one rollout a line, exact floats)
