@@ -51,8 +51,8 @@ class _TokenLogprobs(torch.autograd.Function):
     """log_softmax(logits / T)[target] for (N, V) logits, a chunk of rows at a time, and (when asked)
     each row's entropy from the same log-softmax. Forward keeps only the logits; backward rebuilds
     each chunk's softmax and writes (onehot - p) * g / T into the (N, V) result in the logits' dtype
-    (extra memory: that plus fp32 blocks). One fused softmax kernel a chunk each way (on CUDA it reads
-    bf16 and accumulates in fp32), the rest in place: every pass over (chunk, V) is memory traffic."""
+    (extra memory: that plus fp32 blocks). A chunk each way: a cast to fp32, one fused (log-)softmax
+    kernel, the rest in place, since every pass over (chunk, V) is memory traffic."""
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, chunk, entropy):
