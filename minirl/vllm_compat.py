@@ -9,6 +9,7 @@ on a new vLLM): `llm_engine.model_executor.driver_worker.worker`, its model's `l
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Callable, Iterable
 
@@ -90,7 +91,11 @@ a raw llm.generate 11.9 s under vLLM's own mode, 7.8 s under FULL (benchmarks/re
 def build_llm(model: str, **kwargs) -> ManagedLLM:
     if ON_CPU:   # else vLLM drops this process (and so its trainer) to one torch thread
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
-    return ManagedLLM(model=model, **kwargs)
+    llm = ManagedLLM(model=model, **kwargs)
+    # every weight load resets the prefix cache (each co-located step): not an INFO line each time
+    # (set after the engine is built: building it reconfigures vLLM's loggers)
+    logging.getLogger("vllm.v1.core.block_pool").setLevel(logging.WARNING)
+    return llm
 
 
 def get_worker(llm: LLM):

@@ -4,8 +4,10 @@ learning end to end, and two ranks under torchrun.
 Needs: CPU only (2 cores is enough). The job-level tests start fresh processes.
 """
 
+import collections
 import contextlib
 import json
+import re
 
 import pytest
 import torch
@@ -181,6 +183,9 @@ def test_demo_learns_and_needs_sync(tmp_path):
     assert rows[-1]["policy_version"] == 23
     assert last > 0.4 and last > first + 0.3, on
     assert (tmp_path / "on" / "reward_curve.png").stat().st_size > 1000
+    logs = collections.Counter(m.groups() for m in re.finditer(r"(INFO|WARNING) [\d-]+ [\d:.]+ \[(\S+)\]",
+                                                                 res.stdout + res.stderr))
+    assert logs and max(logs.values()) < 12, logs.most_common(3)      # no log line every step (24)
 
     res = run_py([*args, "--run-dir", str(tmp_path / "off"), "--no-sync"])
     assert res.returncode == 0, res.stderr[-3000:]
