@@ -407,7 +407,7 @@ def test_get_logprobs_saves_no_fp32_vocab_tensor():
     assert not big_fp32(saved), saved
     vocab_sized = [s for s in saved if s[0] and s[0][-1] == V]
     assert vocab_sized == [((B * T, V), torch.bfloat16)]
-    # ... and the rest are (B*T)-sized (the targets and logsumexp of every row) or smaller
+    # ... and the rest are (B*T)-sized (the targets of every row) or smaller
     assert all(math.prod(s[0]) <= B * T for s in saved if s not in vocab_sized)
 
 
