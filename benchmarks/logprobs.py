@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -47,7 +49,6 @@ def timed(fn, device, repeat: int) -> dict:
             sync()
             times.append(start.elapsed_time(end) / 1e3)
         else:
-            import time
             t = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t)
@@ -57,7 +58,6 @@ def timed(fn, device, repeat: int) -> dict:
 
 def measure(mod, logits, targets, temperature: float, repeat: int, device) -> dict:
     """mod's token_logprobs / entropy_from_logits on these logits (entropy=True only where it exists)."""
-    import inspect
     fused = "entropy" in inspect.signature(mod.token_logprobs).parameters
     out = {}
     with torch.no_grad():
