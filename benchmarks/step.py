@@ -79,6 +79,7 @@ def run_minirl(args, model: str) -> dict:
     argv = ["--model", model, "--prompts", str(args.prompts), "--group-size", str(args.group_size),
             "--max-tokens", str(args.max_tokens), "--max-model-len", str(args.max_tokens + 64),
             "--steps", str(args.steps), "--backends", "", "--run-dir", str(run_dir), *args.minirl_args]
+    engine = _record_engine_steps(mod)
     if args.profile:
         _profile_last_step(mod, args)
     mem = MemorySampler()
@@ -93,8 +94,29 @@ def run_minirl(args, model: str) -> dict:
         steps.append({"step_s": r["time"] - start, "sync_s": sync, "generate_s": r["time/rollouts"] - sync,
                       "train_s": r["time/train"], "generated_tokens": r["len/completion"] * n,
                       "trained_tokens": (r["len/completion"] + r["len/prompt"]) * n, "loss": r["loss"]})
+    for s, e in zip(steps, engine):
+        s.update(e)
     return {"argv": argv, "steps": steps, "peak_memory_gib": mem.stop(), "command":
             "python launch/colocated.py " + " ".join(argv)}
+
+
+def _record_engine_steps(mod) -> list[dict]:
+    """Each generation phase's engine steps (vllm_compat.recorded_steps around the loop's
+    run_episodes): how many, their mean milliseconds, the most tokens one scheduled (the sequences
+    decoding at once) and how many mixed in prefill. One dict per call, in step order."""
+    from minirl import vllm_compat as vc
+    calls, real = [], mod.run_episodes
+
+    def run_episodes(llm, *a, **kw):
+        with vc.recorded_steps(llm) as steps:
+            out = real(llm, *a, **kw)
+        tokens = [n for _, n, _ in steps if n]
+        calls.append({"engine_steps": len(steps), "engine_step_ms": 1e3 * sum(t for t, _, _ in steps) / max(len(steps), 1),
+                      "engine_s": sum(t for t, _, _ in steps), "max_batch_tokens": max(tokens, default=0),
+                      "prefill_steps": sum(bool(p) for _, _, p in steps)})
+        return out
+    mod.run_episodes = run_episodes
+    return calls
 
 
 def _profile_last_step(mod, args) -> None:
@@ -130,14 +152,7 @@ def _profile_last_step(mod, args) -> None:
         return wrapper
 
     mod.common.train_step = profiled(mod.common.train_step, "train")
-    real_as_vllm = mod.WeightManager.as_vllm
-
-    def as_vllm(self, *a, **kw):
-        llm = real_as_vllm(self, *a, **kw)
-        if not hasattr(llm, "_profiled"):
-            llm._profiled, llm.generate = True, profiled(llm.generate, "generate")
-        return llm
-    mod.WeightManager.as_vllm = as_vllm
+    mod.run_episodes = profiled(mod.run_episodes, "generate")   # the loop's rollouts
 
 
 def run_trl(args, model: str) -> dict:
