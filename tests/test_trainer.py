@@ -301,3 +301,24 @@ def test_predict_peak_on_the_line_through_two_trials():
     G = 2**30
     assert predict_peak(2048, 20 * G, 4096, 24 * G, 16384) == 48 * G
     assert predict_peak(1024, 5 * G, 2048, 5 * G, 16384) == 5 * G
+
+
+def test_training_that_would_not_fit_beside_the_sleeping_engine_recomputes_or_is_refused(tiny_model, monkeypatch):
+    """WeightManager's check when the engine first sleeps (its device calls stood in for): 60 GiB
+    free of 140, headroom max(2 GiB, 5%) = 7 GiB, so a step needing 53 GiB fits and 54 does not."""
+    from minirl.colocated import _fit_beside_sleeping_engine
+    from minirl.trainer import Trainer, TrainerConfig
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (60 * gib, 140 * gib))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "a 140 GiB GPU")
+    auto = Trainer(tiny_model, TrainerConfig(lr=1e-3))
+    _fit_beside_sleeping_engine(auto, 53 * gib)
+    assert not auto.model.is_gradient_checkpointing
+    _fit_beside_sleeping_engine(auto, 54 * gib)
+    assert auto.model.is_gradient_checkpointing                      # left to minirl: recomputation on
+    chosen = Trainer(tiny_model, TrainerConfig(lr=1e-3, activation_checkpointing=False))
+    with pytest.raises(MemoryError, match=r"needs 54.0 GiB beside the weights and 7.0 GiB of headroom; "
+                                          r"60.0 GiB is free .* Levers: activation_checkpointing=True"):
+        _fit_beside_sleeping_engine(chosen, 54 * gib)
+    assert not chosen.model.is_gradient_checkpointing
