@@ -79,7 +79,14 @@ def run_minirl(args, model: str) -> dict:
     argv = ["--model", model, "--prompts", str(args.prompts), "--group-size", str(args.group_size),
             "--max-tokens", str(args.max_tokens), "--max-model-len", str(args.max_tokens + 64),
             "--steps", str(args.steps), "--backends", "", "--run-dir", str(run_dir), *args.minirl_args]
-    engine = _record_engine_steps(mod)
+    engine, seen = _record_engine_steps(mod), {}
+    real_close = mod.WeightManager.close
+
+    def close(wm):                                        # what the memory plan chose, for the record
+        seen.update(sleep_level=wm.sleep_level, activation_checkpointing=bool(
+            getattr(wm.trainer.model, "is_gradient_checkpointing", False)))
+        return real_close(wm)
+    mod.WeightManager.close = close
     if args.profile:
         _profile_last_step(mod, args)
     mem = MemorySampler()
@@ -96,7 +103,7 @@ def run_minirl(args, model: str) -> dict:
                       "trained_tokens": (r["len/completion"] + r["len/prompt"]) * n, "loss": r["loss"]})
     for s, e in zip(steps, engine):
         s.update(e)
-    return {"argv": argv, "steps": steps, "peak_memory_gib": mem.stop(), "command":
+    return {"argv": argv, "steps": steps, "peak_memory_gib": mem.stop(), **seen, "command":
             "python launch/colocated.py " + " ".join(argv)}
 
 

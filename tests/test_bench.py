@@ -40,3 +40,19 @@ def test_logprobs_benchmark_smoke(tmp_path):
     assert not any("forward_with_entropy" in r for n, r in runs.items() if n.startswith("baseline"))
     assert all(r["forward_backward"]["s"] > 0 for r in runs.values())
     assert "| baseline T=0.7 |" in out.with_suffix(".md").read_text()
+
+
+def test_step_benchmark_smoke(tmp_path):
+    """minirl's side of the whole-step benchmark: every step's phases, its engine steps (one prefill
+    step, then a decode step per further token: at most 16) and what the plan chose."""
+    out = tmp_path / "step.json"
+    p = run_py(["benchmarks/step.py", "--shape", "tiny", "--prompts", "4", "--steps", "3", "--max-tokens", "16",
+                "--sides", "minirl", "--models-dir", str(tmp_path / "models"), "--work", str(tmp_path / "w"),
+                "--out", str(out)], timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    side = json.loads(out.read_text())["sides"]["minirl"]
+    assert len(side["steps"]) == 3 and side["sleep_level"] == 0 and side["activation_checkpointing"] is False
+    for s in side["steps"]:
+        assert 2 <= s["engine_steps"] <= 16 and s["prefill_steps"] == 1 and s["max_batch_tokens"] > 4 * 8
+        assert 0 < s["engine_s"] <= s["generate_s"] and s["train_s"] > 0
+    assert "| minirl |" in out.with_suffix(".md").read_text()
