@@ -421,16 +421,19 @@ class Trainer:
             return 0
         return 8 * sum(_local(p).numel() for p in self.model.parameters() if p.requires_grad)
 
-    def measure_peak(self) -> int:
+    def measure_peak(self, reserve: int = 0) -> int:
         """Bytes allocated (CUDA) at the peak of one forward_backward over a full micro-batch of
         random tokens, plus the AdamW state the first step adds. With activation_checkpointing
         None, turns recomputation on when that micro-batch would not fit without it: two small
         trials (1/8 and 1/4 of it) predict the full one's peak (activations grow linearly in
         tokens), so a micro-batch far too big is never run (its failed attempt would fill the
-        device). Leaves no gradients behind; MemoryError when it does not fit at all."""
+        device). Usable: 95% of the device, or all of it but `reserve` bytes when given (what
+        shares it, e.g. a sleeping engine, and headroom). Leaves no gradients behind; MemoryError
+        when it does not fit at all."""
         n, dev = self.config.micro_batch_tokens, self.device
         adam = self.unallocated_optimizer_bytes()
-        limit = torch.cuda.mem_get_info(dev)[1] * 0.95
+        total = torch.cuda.mem_get_info(dev)[1]
+        limit = total - reserve if reserve else total * 0.95
         auto = self.config.activation_checkpointing is None
         if auto and n >= 64:
             small = [self._trial_peak(k) for k in (n // 8, n // 4)]
