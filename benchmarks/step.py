@@ -110,17 +110,32 @@ def run_minirl(args, model: str) -> dict:
 def _record_engine_steps(mod) -> list[dict]:
     """Each generation phase's engine steps (vllm_compat.recorded_steps around the loop's
     run_episodes): how many, their mean milliseconds, the most tokens one scheduled (the sequences
-    decoding at once) and how many mixed in prefill. One dict per call, in step order."""
+    decoding at once) and how many mixed in prefill; and the phase's wall, this thread's CPU
+    seconds and the seconds in Python's garbage collector (a CPU-bound engine loop shows CPU
+    close to wall). One dict per call, in step order."""
+    import gc
     from minirl import vllm_compat as vc
-    calls, real = [], mod.run_episodes
+    calls, real, in_gc = [], mod.run_episodes, [0.0, 0.0]
+
+    def collecting(phase, info):
+        if phase == "start":
+            in_gc[1] = time.perf_counter()
+        else:
+            in_gc[0] += time.perf_counter() - in_gc[1]
 
     def run_episodes(llm, *a, **kw):
-        with vc.recorded_steps(llm) as steps:
-            out = real(llm, *a, **kw)
+        in_gc[0], wall, cpu = 0.0, time.perf_counter(), time.thread_time()
+        gc.callbacks.append(collecting)
+        try:
+            with vc.recorded_steps(llm) as steps:
+                out = real(llm, *a, **kw)
+        finally:
+            gc.callbacks.remove(collecting)
         tokens = [n for _, n, _ in steps if n]
         calls.append({"engine_steps": len(steps), "engine_step_ms": 1e3 * sum(t for t, _, _ in steps) / max(len(steps), 1),
                       "engine_s": sum(t for t, _, _ in steps), "max_batch_tokens": max(tokens, default=0),
-                      "prefill_steps": sum(bool(p) for _, _, p in steps)})
+                      "prefill_steps": sum(bool(p) for _, _, p in steps), "rollout_wall_s": time.perf_counter() - wall,
+                      "rollout_cpu_s": time.thread_time() - cpu, "gc_s": in_gc[0]})
         return out
     mod.run_episodes = run_episodes
     return calls

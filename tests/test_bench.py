@@ -54,5 +54,6 @@ def test_step_benchmark_smoke(tmp_path):
     assert len(side["steps"]) == 3 and side["sleep_level"] == 0 and side["activation_checkpointing"] is False
     for s in side["steps"]:
         assert 2 <= s["engine_steps"] <= 16 and s["prefill_steps"] == 1 and s["max_batch_tokens"] > 4 * 8
-        assert 0 < s["engine_s"] <= s["generate_s"] and s["train_s"] > 0
+        assert 0 < s["engine_s"] <= s["rollout_wall_s"] <= s["generate_s"] + s["sync_s"] and s["train_s"] > 0
+        assert 0 < s["rollout_cpu_s"] and 0 <= s["gc_s"] < s["rollout_wall_s"]
     assert "| minirl |" in out.with_suffix(".md").read_text()
