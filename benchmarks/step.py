@@ -83,7 +83,7 @@ def run_minirl(args, model: str) -> dict:
     real_close = mod.WeightManager.close
 
     def close(wm):                                        # what the memory plan chose, for the record
-        seen.update(sleep_level=wm.sleep_level, activation_checkpointing=bool(
+        seen.update(sleep_level=wm.sleep_level, micro_batch_tokens=wm.trainer.config.micro_batch_tokens, activation_checkpointing=bool(
             getattr(wm.trainer.model, "is_gradient_checkpointing", False)))
         return real_close(wm)
     mod.WeightManager.close = close

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -53,7 +54,8 @@ class TrainerConfig:
     """"auto" (bf16 compute + fp32 master weights on CUDA, fp32 on CPU), "bf16" or "fp32"."""
     activation_checkpointing: bool | None = None
     """Recompute each decoder layer's activations in backward (HF gradient checkpointing). None:
-    off, unless measure_peak() finds that a full micro-batch would not fit without it (CUDA)."""
+    off, unless measure_peak() finds that neither a full micro-batch nor half of one (then
+    micro_batch_tokens is halved) would fit without it (CUDA)."""
     micro_batch_tokens: int = 16384
     """Token budget of one packed micro-batch (a longer rollout gets a row of its own)."""
     attention: str = "auto"
@@ -427,9 +429,10 @@ class Trainer:
         None, turns recomputation on when that micro-batch would not fit without it: two small
         trials (1/8 and 1/4 of it) predict the full one's peak (activations grow linearly in
         tokens), so a micro-batch far too big is never run (its failed attempt would fill the
-        device). Usable: 95% of the device, or all of it but `reserve` bytes when given (what
-        shares it, e.g. a sleeping engine, and headroom). Leaves no gradients behind; MemoryError
-        when it does not fit at all."""
+        device); when half of it would fit, micro_batch_tokens is halved instead (a warning says
+        so). Usable: 95% of the device, or all of it but `reserve` bytes when given (what shares
+        it, e.g. a sleeping engine, and headroom). Leaves no gradients behind; MemoryError when it
+        does not fit at all."""
         n, dev = self.config.micro_batch_tokens, self.device
         adam = self.unallocated_optimizer_bytes()
         total = torch.cuda.mem_get_info(dev)[1]
@@ -437,7 +440,15 @@ class Trainer:
         auto = self.config.activation_checkpointing is None
         if auto and n >= 64:
             small = [self._trial_peak(k) for k in (n // 8, n // 4)]
-            if None in small or predict_peak(n // 8, small[0], n // 4, small[1], n) + adam > limit:
+            fits = lambda m: None not in small and predict_peak(n // 8, small[0], n // 4, small[1], m) + adam <= limit
+            if fits(n // 2) and not fits(n):        # half the tokens, nothing recomputed: faster than
+                logging.getLogger(__name__).warning(   # recomputing every layer of a full micro-batch
+                    "micro_batch_tokens %d -> %d: a full micro-batch would not fit in training memory without "
+                    "recomputation (%.1f GiB usable); activation_checkpointing=True keeps %d", n, n // 2,
+                    limit / 2**30, n)
+                n = n // 2
+                self.config = replace(self.config, micro_batch_tokens=n)
+            elif not fits(n):
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
                 auto = False
         for recompute in (False, True):

@@ -324,3 +324,23 @@ def test_training_that_would_not_fit_beside_the_sleeping_engine_recomputes_or_is
                                           r"60.0 GiB is free .* Levers: activation_checkpointing=True"):
         _fit_beside_sleeping_engine(chosen, 47 * gib)
     assert not chosen.model.is_gradient_checkpointing
+
+
+@pytest.mark.parametrize("per_token_mib, expect", [(0.25, (16384, False)), (0.5, (8192, False)), (1.0, (16384, True))])
+def test_a_micro_batch_that_does_not_fit_is_halved_before_recomputation(tiny_model, monkeypatch, per_token_mib, expect):
+    """measure_peak left to itself (activation_checkpointing None), its trials stood in for: a peak of
+    2 GiB + per_token_mib per token (a quarter of that when recomputing), AdamW 1 GiB, 10 GiB usable.
+    16384 tokens at 0.25 MiB: 7 GiB, fits. At 0.5 MiB: 11 GiB does not, 8192 tokens (7 GiB) do, so the
+    micro-batch is halved and nothing recomputed. At 1 MiB: 8192 tokens (11 GiB) do not fit either,
+    so the full micro-batch recomputes (2 + 4 + 1 = 7 GiB)."""
+    from minirl.trainer import Trainer, TrainerConfig
+    gib = 2**30
+    tr = Trainer(tiny_model, TrainerConfig(lr=1e-3))
+    ckpt = lambda: bool(getattr(tr.model, "is_gradient_checkpointing", False))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
+    monkeypatch.setattr(tr, "_trial_peak", lambda n: int(2 * gib + n * per_token_mib * 2**20 / (4 if ckpt() else 1)))
+    monkeypatch.setattr(tr, "unallocated_optimizer_bytes", lambda: gib)
+    peak = tr.measure_peak(reserve=2 * gib)
+    assert (tr.config.micro_batch_tokens, ckpt()) == expect
+    n, on = expect
+    assert peak == int(2 * gib + n * per_token_mib * 2**20 / (4 if on else 1)) + gib <= 10 * gib
