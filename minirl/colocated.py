@@ -378,7 +378,7 @@ def _memory_plan(trainer: Trainer, kw: dict, cfg: WeightManagerConfig) -> tuple[
     engine = n_params * dsize * 1.05 + 4 * GIB          # weights, activations, graphs, sampler
     want = (cfg.kv_cache_gib * GIB if cfg.kv_cache_gib is not None
             else kw.get("max_num_seqs", 256) * max_len * per_token)
-    beside_peak = free - margin - (peak - now) - engine
+    beside_peak = free - _headroom(total) - (peak - now) - engine   # resident: the step beside it all
     beside_weights = free - margin - adam - engine
     level = cfg.sleep_level if cfg.sleep_level is not None else (0 if beside_peak >= want else 2)
     if user_sized:
