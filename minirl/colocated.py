@@ -331,14 +331,17 @@ def _fit_beside_sleeping_engine(trainer: Trainer, need: int) -> None:
     """Once, when the engine first sleeps: a training step (`need` bytes above the weights, as
     measure_peak found before the engine existed) must fit beside what the sleeping engine really
     keeps, with _headroom. When it would not, activation checkpointing goes on if it was left to
-    minirl (TrainerConfig.activation_checkpointing None), else MemoryError before any step."""
+    minirl (TrainerConfig.activation_checkpointing None), else MemoryError before any step. Every
+    rank takes the decision of the one shortest of memory."""
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(trainer.device)
     headroom = _headroom(total)
-    if need + headroom <= free or getattr(trainer.model, "is_gradient_checkpointing", False):
+    short = trainer.agreed_max([int(need + headroom - free)])[0]    # every rank decides alike
+    if short <= 0 or getattr(trainer.model, "is_gradient_checkpointing", False):
         return
     what = (f"a training step needs {need / GIB:.1f} GiB beside the weights and {headroom / GIB:.1f} GiB "
-            f"of headroom; {free / GIB:.1f} GiB is free beside the sleeping engine")
+            f"of headroom; {free / GIB:.1f} GiB is free beside the sleeping engine"
+            + (f" (another rank lacks {short / GIB:.1f} GiB)" if need + headroom <= free else ""))
     if trainer.config.activation_checkpointing is not None:
         raise MemoryError(f"{what} on {torch.cuda.get_device_name(trainer.device)}. Levers: "
                           "activation_checkpointing=True (or leave it unset), a smaller micro_batch_tokens, "

@@ -439,7 +439,7 @@ class Trainer:
         limit = total - reserve if reserve else total * 0.95
         auto = self.config.activation_checkpointing is None
         if auto and n >= 64:
-            small = [self._trial_peak(k) for k in (n // 8, n // 4)]
+            small = self.agreed_max([self._trial_peak(k) for k in (n // 8, n // 4)])
             fits = lambda m: None not in small and predict_peak(n // 8, small[0], n // 4, small[1], m) + adam <= limit
             if fits(n // 2) and not fits(n):        # half the tokens, nothing recomputed: faster than
                 logging.getLogger(__name__).warning(   # recomputing every layer of a full micro-batch
@@ -456,7 +456,7 @@ class Trainer:
                 if not auto:
                     break
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            peak = self._trial_peak(n)
+            peak = self.agreed_max([self._trial_peak(n)])[0]
             if peak is not None and peak + adam <= limit:
                 return peak + adam
         on = bool(getattr(self.model, "is_gradient_checkpointing", False)) or recompute
@@ -466,6 +466,16 @@ class Trainer:
                           f"its forward_backward {need}, AdamW's first step adds {adam / 2**30:.1f} GiB, and "
                           f"{limit / 2**30:.1f} GiB is usable. Levers: a lower micro_batch_tokens, "
                           + "; ".join([*self._memory_levers(on), "more GPUs, or a smaller model"]))
+
+    def agreed_max(self, values: list[int | None]) -> list[int | None]:
+        """Each value's largest over the ranks (None, e.g. an out-of-memory trial, wins): memory
+        decisions taken on these are the same on every rank, so their collectives stay in step."""
+        if self.rank.world_size == 1:
+            return list(values)
+        big = 1 << 62
+        t = torch.tensor([big if v is None else int(v) for v in values], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [None if x >= big else x for x in t.tolist()]
 
     def _trial_peak(self, n: int) -> int | None:
         """Peak bytes allocated by one forward_backward over n random tokens (None: out of memory)."""

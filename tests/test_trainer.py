@@ -344,3 +344,38 @@ def test_a_micro_batch_that_does_not_fit_is_halved_before_recomputation(tiny_mod
     assert (tr.config.micro_batch_tokens, ckpt()) == expect
     n, on = expect
     assert peak == int(2 * gib + n * per_token_mib * 2**20 / (4 if on else 1)) + gib <= 10 * gib
+
+
+MEMORY_RANKS = """
+import json, torch, torch.distributed as dist
+from minirl.colocated import _fit_beside_sleeping_engine
+from minirl.trainer import Trainer, TrainerConfig
+gib = 2**30
+tr = Trainer({model!r}, TrainerConfig(lr=1e-3))
+rank = dist.get_rank()
+ckpt = lambda: bool(getattr(tr.model, "is_gradient_checkpointing", False))
+per_token = 0.25 if rank == 0 else 0.5                 # MiB: rank 1's trials peak higher
+torch.cuda.mem_get_info = lambda dev=None: ((60 if rank == 0 else 50) * gib, 140 * gib)
+torch.cuda.empty_cache = lambda: None
+tr._trial_peak = lambda n: int(2 * gib + n * per_token * 2**20 / (4 if ckpt() else 1))
+tr.unallocated_optimizer_bytes = lambda: gib
+peak = tr.measure_peak(reserve=130 * gib)             # 10 GiB usable
+_fit_beside_sleeping_engine(tr, 40 * gib)              # + 14 GiB headroom: rank 0 fits in 60, rank 1 not in 50
+json.dump([tr.config.micro_batch_tokens, peak / gib, ckpt()], open({out!r} + f"/rank{{rank}}.json", "w"))
+dist.barrier()
+tr.close()
+"""
+
+
+@pytest.mark.slow
+def test_every_rank_takes_the_memory_decision_of_the_shortest(tiny_model, tmp_path):
+    """Two ranks whose stood-in trials and free memory differ: alone, rank 0 would keep 16,384-token
+    micro-batches without recomputation (the test above); agreed, both halve them (rank 1's trial: 11
+    GiB at 16,384 tokens, 7 GiB at 8,192, of 10 usable) and both recompute once the engine sleeps
+    (rank 1 lacks 4 GiB), so their collectives stay in step."""
+    script = tmp_path / "memory_ranks.py"
+    script.write_text(MEMORY_RANKS.format(model=tiny_model, out=str(tmp_path)))
+    res = run_py(["-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)], timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    assert got[0] == got[1] == [8192, 7.0, True]
