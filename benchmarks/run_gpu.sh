@@ -38,7 +38,7 @@ for stage in "$@"; do
       mb=64; ckpt=(); [[ $shape == 4b ]] && { mb=16; ckpt=(--trl-grad-ckpt); }
       steps=5; [[ $shape == 4b ]] && steps=4
       timeout 900 python benchmarks/step.py --shape "qwen3-$shape" --max-tokens "$tokens" --steps $steps --warmup 2 \
-        --sides "${side:-minirl,trl}" --trl-micro-batch $mb "${ckpt[@]}" ${STEP_ARGS:+--minirl-args "$STEP_ARGS"} \
+        --sides "${side:-minirl,trl}" --trl-micro-batch $mb "${ckpt[@]}" ${STEP_ARGS:+"--minirl-args=$STEP_ARGS"} \
         --out "$out/step_qwen3-${shape}_${tokens}${side:+_$side}${STEP_TAG:-}.json" 2>&1 | grep -v "^\[" | tail -6 ;;
     profile-*)   # minirl's step (launch defaults) with its last step's phases under torch.profiler
       IFS=- read -r _ shape tokens <<< "$stage"
