@@ -19,7 +19,9 @@ Reported per side: medians over the steps after --warmup of the step, generation
 training seconds; generated and trained tokens/s; the device's peak memory in use (sampled every
 50 ms through cudaMemGetInfo, both processes' engines included); trainer MFU = 6 * N * tokens
 trained (prompt + completion) / training seconds / peak, N the model's parameter count, peak
-989.4 TFLOP/s (H200 dense bf16).
+989.4 TFLOP/s (H200 dense bf16). minirl's steps also record their generation's engine steps (count,
+ms a step, sequences at once), its wall, CPU and garbage-collector seconds, and what the memory plan
+chose (sleep level, micro-batch tokens, recomputation).
 
     python benchmarks/step.py --shape qwen3-0.6b --max-tokens 256 --out $OUT/step_qwen3-0.6b_256.json
     python benchmarks/step.py --shape tiny --prompts 4 --steps 3 --sides minirl --out /tmp/step.json  # CPU
