@@ -337,7 +337,7 @@ def _fit_beside_sleeping_engine(trainer: Trainer, need: int) -> None:
     free, total = torch.cuda.mem_get_info(trainer.device)
     headroom = _headroom(total)
     short = trainer.agreed_max([int(need + headroom - free)])[0]    # every rank decides alike
-    if short <= 0 or getattr(trainer.model, "is_gradient_checkpointing", False):
+    if short <= 0 or trainer.recomputes:
         return
     what = (f"a training step needs {need / GIB:.1f} GiB beside the weights and {headroom / GIB:.1f} GiB "
             f"of headroom; {free / GIB:.1f} GiB is free beside the sleeping engine"
@@ -346,7 +346,7 @@ def _fit_beside_sleeping_engine(trainer: Trainer, need: int) -> None:
         raise MemoryError(f"{what} on {torch.cuda.get_device_name(trainer.device)}. Levers: "
                           "activation_checkpointing=True (or leave it unset), a smaller micro_batch_tokens, "
                           "LoRA, more GPUs, or a smaller model.")
-    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trainer.recompute_activations()
     logging.getLogger(__name__).warning("%s: activation checkpointing on", what)   # once per run
 
 
@@ -368,8 +368,8 @@ def _memory_plan(trainer: Trainer, kw: dict, cfg: WeightManagerConfig) -> tuple[
     if cfg.sleep_level is not None and user_sized:
         return cfg.sleep_level, {}, None
     adam = trainer.unallocated_optimizer_bytes()
-    total = torch.cuda.mem_get_info(trainer.device)[1]
-    peak = trainer.measure_peak(reserve=ENGINE_ASLEEP + _headroom(total))   # bytes, a whole training step
+    headroom = _headroom(torch.cuda.mem_get_info(trainer.device)[1])
+    peak = trainer.measure_peak(reserve=ENGINE_ASLEEP + headroom)   # bytes, a whole training step
     now = torch.cuda.memory_allocated(trainer.device)   # weights (no gradients, no Adam state yet)
     free, total = torch.cuda.mem_get_info(trainer.device)
     margin = max(2 * GIB, 0.03 * total)
@@ -381,7 +381,7 @@ def _memory_plan(trainer: Trainer, kw: dict, cfg: WeightManagerConfig) -> tuple[
     engine = n_params * dsize * 1.05 + 4 * GIB          # weights, activations, graphs, sampler
     want = (cfg.kv_cache_gib * GIB if cfg.kv_cache_gib is not None
             else kw.get("max_num_seqs", 256) * max_len * per_token)
-    beside_peak = free - _headroom(total) - (peak - now) - engine   # resident: the step beside it all
+    beside_peak = free - headroom - (peak - now) - engine   # resident: the step beside it all
     beside_weights = free - margin - adam - engine
     level = cfg.sleep_level if cfg.sleep_level is not None else (0 if beside_peak >= want else 2)
     if user_sized:

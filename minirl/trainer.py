@@ -383,7 +383,7 @@ class Trainer:
             total = torch.cuda.mem_get_info(self.device)[1] / 2**30 if self.device.type == "cuda" else None
             reshard(self.model)
             self.optimizer.zero_grad(set_to_none=True)
-            levers = self._memory_levers(getattr(self.model, "is_gradient_checkpointing", False))
+            levers = self._memory_levers(self.recomputes)
             levers.append(f"a smaller micro_batch_tokens (now {self.config.micro_batch_tokens}); more GPUs "
                           "(every trainer part is sharded), or a smaller model")
             raise MemoryError(
@@ -449,23 +449,32 @@ class Trainer:
                 n = n // 2
                 self.config = replace(self.config, micro_batch_tokens=n)
             elif not fits(n):
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                self.recompute_activations()
                 auto = False
         for recompute in (False, True):
             if recompute:
                 if not auto:
                     break
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                self.recompute_activations()
             peak = self.agreed_max([self._trial_peak(n)])[0]
             if peak is not None and peak + adam <= limit:
                 return peak + adam
-        on = bool(getattr(self.model, "is_gradient_checkpointing", False)) or recompute
+        on = self.recomputes or recompute
         need = "ran out of device memory" if peak is None else f"peaks at {peak / 2**30:.1f} GiB"
         raise MemoryError(f"one micro-batch of {n} tokens does not fit in training memory on "
                           f"{torch.cuda.get_device_name(dev)} (activation checkpointing {'on' if on else 'off'}): "
                           f"its forward_backward {need}, AdamW's first step adds {adam / 2**30:.1f} GiB, and "
                           f"{limit / 2**30:.1f} GiB is usable. Levers: a lower micro_batch_tokens, "
                           + "; ".join([*self._memory_levers(on), "more GPUs, or a smaller model"]))
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether backward recomputes each decoder layer's activations (HF gradient checkpointing)."""
+        return bool(getattr(self.model, "is_gradient_checkpointing", False))
+
+    def recompute_activations(self) -> None:
+        """Turn recomputation on from now (what activation_checkpointing=True sets at load)."""
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def agreed_max(self, values: list[int | None]) -> list[int | None]:
         """Each value's largest over the ranks (None, e.g. an out-of-memory trial, wins): memory
