@@ -8,6 +8,7 @@ one shorter than token_ids. Masks are 1 for tokens that count (completion tokens
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -52,35 +53,86 @@ class _TokenLogprobs(torch.autograd.Function):
     each row's entropy from the same log-softmax. Forward keeps only the logits; backward rebuilds
     each chunk's softmax and writes (onehot - p) * g / T into the (N, V) result in the logits' dtype
     (extra memory: that plus fp32 blocks). A chunk each way: a cast to fp32, one fused (log-)softmax
-    kernel, the rest in place, since every pass over (chunk, V) is memory traffic."""
+    kernel, the rest in place, since every pass over (chunk, V) is memory traffic. With `fused` (a
+    pair of compiled _fused_forward / _fused_backward) each chunk is one or two kernels that read the
+    logits where they lie: forward keeps each row's log-sum-exp, backward is one pass."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, chunk, entropy):
+    def forward(ctx, logits, targets, temperature, chunk, entropy, fused):
         acc = torch.promote_types(logits.dtype, torch.float32)   # fp32 (fp64 stays fp64)
         out = torch.empty(len(logits), dtype=acc, device=logits.device)
         ent = torch.empty(len(logits) if entropy else 0, dtype=acc, device=logits.device)
+        lse = torch.empty(len(logits) if fused else 0, dtype=acc, device=logits.device)
         for s in range(0, len(logits), chunk):
+            if fused:
+                got = fused[0](logits[s:s + chunk], targets[s:s + chunk], temperature, entropy)
+                out[s:s + chunk], lse[s:s + chunk] = got[0], got[1]
+                if entropy:
+                    ent[s:s + chunk] = got[2]
+                continue
             logp = torch.log_softmax(_scaled(logits[s:s + chunk], temperature, acc), -1, dtype=acc)   # (c, V)
             out[s:s + chunk] = logp.gather(-1, targets[s:s + chunk, None]).squeeze(-1)
             if entropy:                                        # -sum p log p; entr(0) = 0: -inf logits, no NaN
                 ent[s:s + chunk] = torch.special.entr(logp.exp_(), out=logp).sum(-1)
-        ctx.save_for_backward(logits, targets)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature, ctx.chunk, ctx.fused = temperature, chunk, fused
         ctx.mark_non_differentiable(ent)
         return out, ent
 
     @staticmethod
     def backward(ctx, grad_out, _):
-        logits, targets = ctx.saved_tensors
-        temp, chunk = ctx.temperature, ctx.chunk
+        logits, targets, lse = ctx.saved_tensors
+        temp, chunk, fused = ctx.temperature, ctx.chunk, ctx.fused
         grad = torch.empty_like(logits)
         for s in range(0, logits.shape[0], chunk):
             tgt = targets[s:s + chunk, None]
+            if fused:
+                fused[1](logits[s:s + chunk], tgt, lse[s:s + chunk, None], grad_out[s:s + chunk, None],
+                         temp, grad[s:s + chunk])
+                continue
             p = torch.softmax(_scaled(logits[s:s + chunk], temp, grad_out.dtype), -1, dtype=grad_out.dtype)
             g = grad_out[s:s + chunk, None] / temp                              # (c, 1)
             at_target = g * (1 - p.gather(-1, tgt))                            # d/dx[target]
             grad[s:s + chunk] = p.mul_(g.neg_()).scatter_(-1, tgt, at_target)   # elsewhere -g p / T
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
+
+
+def _fused_forward(x: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
+    """(c, V) logits, (c,) targets -> log p(target), log-sum-exp and (with entropy) entropy per row,
+    of softmax(x / T), in fp32: written for torch.compile, which fuses it into reductions that read
+    x where it lies (eager, it makes several fp32 copies of x: the unfused path is _TokenLogprobs')."""
+    z = x.to(torch.promote_types(x.dtype, torch.float32)) / temperature
+    lse = torch.logsumexp(z, -1)
+    lp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if not entropy:
+        return lp, lse
+    p = torch.exp(z - lse[:, None])                            # H = lse - sum p z; 0 * -inf counts 0
+    return lp, lse, lse - torch.where(p > 0, p * z, 0.0).sum(-1)
+
+
+def _fused_backward(x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
+                    temperature: float, out: torch.Tensor) -> None:
+    """out = d/dx of sum g * log p(target) for (c, V) logits x, (c, 1) targets / log-sum-exp / g:
+    (onehot - softmax(x / T)) * g / T in x's dtype, one elementwise pass under torch.compile."""
+    z = x.to(lse.dtype) / temperature
+    onehot = torch.arange(x.shape[-1], device=x.device) == targets
+    out.copy_((onehot.to(lse.dtype) - torch.exp(z - lse)) * (g / temperature))
+
+
+@functools.cache
+def fused_kernels(backend: str | None):
+    """_fused_forward / _fused_backward under torch.compile(backend) (dynamic rows: one compile for
+    every chunk length), or as they are for backend None (for tests)."""
+    if backend is None:
+        return _fused_forward, _fused_backward
+    return (torch.compile(_fused_forward, backend=backend, dynamic=True),
+            torch.compile(_fused_backward, backend=backend, dynamic=True))
+
+
+_FUSED_ROWS = 4096
+"""Rows per chunk of the fused path: its kernels hold nothing of (rows, V) (backward writes the
+gradient in place), so a chunk only bounds what a compiler that did not fuse could hold; fewer
+chunks, fewer launches."""
 
 
 def _scaled(x: torch.Tensor, temperature: float, acc: torch.dtype) -> torch.Tensor:
@@ -89,18 +141,24 @@ def _scaled(x: torch.Tensor, temperature: float, acc: torch.dtype) -> torch.Tens
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                   chunk_size: int | None = None, entropy: bool = False):
+                   chunk_size: int | None = None, entropy: bool = False, compile: str | None = None):
     """log p(targets[i]) under softmax(logits[i] / temperature): (N, V), (N,) -> (N,), no shift.
     fp32 (fp64 for fp64 logits), differentiable, chunked: never an fp32 copy of the logits. With
     entropy=True returns (log-probs, entropies): each row's entropy of that same distribution (nats,
-    no gradient), from the same pass over the logits (entropy_from_logits takes another)."""
+    no gradient), from the same pass over the logits (entropy_from_logits takes another).
+    compile: a torch.compile backend (the trainer passes "inductor" on CUDA) for the fused path,
+    a few kernels per chunk instead of a dozen; None: plain torch, the reference."""
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)}: pass "
                          "(N, V) logits and the (N,) token ids they score")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (1.0 for plain log_softmax), got {temperature}")
+    fused = fused_kernels(compile) if compile else None
+    chunk = _chunk_tokens(*logits.shape, chunk_size)
+    if fused and chunk_size is None:
+        chunk = max(chunk, _FUSED_ROWS)
     lp, ent = _TokenLogprobs.apply(logits, targets.to(device=logits.device, dtype=torch.long),
-                                   float(temperature), _chunk_tokens(*logits.shape, chunk_size), entropy)
+                                   float(temperature), chunk, entropy, fused)
     return (lp, ent) if entropy else lp
 
 

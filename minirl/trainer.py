@@ -77,8 +77,9 @@ class TrainerConfig:
     reference_offload: bool = False
     """Keep the reference policy's shards on the host (CPUOffloadPolicy) between its forwards."""
     compile: bool | str | Callable | None = None
-    """torch.compile each decoder layer (dynamic shapes: one compile for every packed length); it
-    fuses the elementwise work (norms, rotary, SwiGLU, casts) that dominates a small model's step.
+    """torch.compile each decoder layer (dynamic shapes: one compile for every packed length) and the
+    log-probs' pass over the logits (core.token_logprobs(compile=)); it fuses the elementwise work
+    (norms, rotary, SwiGLU, casts, softmax over the vocabulary) that dominates a small model's step.
     None: on CUDA (inductor), off on CPU; True: inductor; a str: that backend; False: eager."""
 
 
@@ -259,11 +260,12 @@ class Trainer:
         if cfg.reference_offload and not cfg.reference:
             raise ValueError("reference_offload=True without reference=True: set reference=True too")
         load = dict(attention=cfg.attention, trust_remote_code=cfg.trust_remote_code)
+        self.compile = "inductor" if cfg.compile is True or (
+            cfg.compile is None and self.device.type == "cuda") else cfg.compile or None
+        """The torch.compile backend of the decoder layers and the fused log-probs (None: eager)."""
         self.model = load_fsdp_model(self.path, self.device, self.rank.world_size, self.compute_dtype,
                                      activation_checkpointing=bool(cfg.activation_checkpointing),
-                                     lora=cfg.lora, offload=cfg.cpu_offload, **load,
-                                     compile="inductor" if cfg.compile is True or (
-                                         cfg.compile is None and self.device.type == "cuda") else cfg.compile or None)
+                                     lora=cfg.lora, offload=cfg.cpu_offload, compile=self.compile, **load)
         self.reference = None
         """The frozen reference policy (FSDP2, eval mode), unless LoRA's base model serves as one."""
         if cfg.reference and (cfg.lora is None or cfg.lora.also_train):
@@ -322,7 +324,8 @@ class Trainer:
                 (logits.sum() * 0).backward()              # an empty pass: FSDP2 collectives match
                 continue
             mb.ref_logprobs = ref                          # (n,) fp32 or None
-            out = token_logprobs(logits, mb.targets, temperature=temperature, entropy=entropy)
+            out = token_logprobs(logits, mb.targets, temperature=temperature, entropy=entropy,
+                                 compile=self.compile)
             lp, mb.entropy = out if entropy else (out, None)                   # (n,), (n,) or None
             per_token, stats = loss_fn(lp, mb, logits)
             loss = per_token.sum()
@@ -348,7 +351,8 @@ class Trainer:
                 was = self.model.training
                 logits = self.model.eval()(ids, use_cache=False, logits_to_keep=keep, **extra).logits[0]
                 self.model.train(was)
-        return None if mb is None else token_logprobs(logits, mb.targets, temperature=temperature).float()
+        return None if mb is None else token_logprobs(logits, mb.targets, temperature=temperature,
+                                                       compile=self.compile).float()
 
     def optim_step(self) -> dict[str, float]:
         """Clip the gradient norm, refuse a non-finite one, step AdamW, free the gradients."""

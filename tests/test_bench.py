@@ -24,18 +24,21 @@ def test_switch_benchmark_smoke(tmp_path):
 
 
 def test_logprobs_benchmark_smoke(tmp_path):
-    """Both cores ran at every temperature; only the one with entropy=True has the fused run (the
-    baseline here: a core.py whose token_logprobs has no entropy, as before e0700ab)."""
+    """Both cores ran at every temperature, and minirl's compiled path (--compile eager here); only the
+    ones with entropy=True have the fused-entropy run (the baseline here: a core.py whose token_logprobs
+    has no entropy, as before e0700ab); the compiled path's numbers agree with the reference's."""
     old = tmp_path / "old_core.py"
     old.write_text("from minirl import core\nfrom minirl.core import entropy_from_logits\n\n"
                    "def token_logprobs(logits, targets, *, temperature=1.0):\n"
                    "    return core.token_logprobs(logits, targets, temperature=temperature)\n")
     out = tmp_path / "lp.json"
     p = run_py(["benchmarks/logprobs.py", "--rows", "64", "--vocab", "1000", "--repeat", "1", "--baseline",
-                str(old), "--out", str(out)], timeout=300)
+                str(old), "--compile", "eager", "--out", str(out)], timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    runs = json.loads(out.read_text())["runs"]
-    assert set(runs) == {f"{n} T={t}" for n in ("minirl", "baseline") for t in (1.0, 0.7)}
+    doc = json.loads(out.read_text())
+    runs = doc["runs"]
+    assert set(runs) == {f"{n} T={t}" for n in ("minirl", "minirl fused", "baseline") for t in (1.0, 0.7)}
+    assert all(d["logprob"] < 1e-4 and d["entropy"] < 1e-3 for d in doc["fused_vs_reference"].values())
     assert all("forward_with_entropy" in r for n, r in runs.items() if n.startswith("minirl"))
     assert not any("forward_with_entropy" in r for n, r in runs.items() if n.startswith("baseline"))
     assert all(r["forward_backward"]["s"] > 0 for r in runs.values())

@@ -185,8 +185,9 @@ def test_a_step_with_every_token_masked_trains_nothing(trainer):
 
 
 def test_compiled_layers_give_the_eager_gradients(tiny_model, trainer):
-    """TrainerConfig.compile wraps each decoder layer in torch.compile (on CUDA by default; here
-    the aot_eager backend traces the same graphs without generating kernels)."""
+    """TrainerConfig.compile wraps each decoder layer and the log-probs' fused chunk functions in
+    torch.compile (on CUDA by default; here the aot_eager backend traces the same graphs without
+    generating kernels)."""
     from torch._dynamo.testing import CompileCounterWithBackend
     from minirl.trainer import Trainer, TrainerConfig
     rs = _rollouts(4)
@@ -204,6 +205,8 @@ def test_compiled_layers_give_the_eager_gradients(tiny_model, trainer):
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-4, atol=1e-6)
     frames = counter.frame_count
     assert frames > 0
+    ops = {str(n.target) for gm in counter.graphs for n in gm.graph.nodes if n.op == "call_function"}
+    assert any("logsumexp" in o for o in ops) and any("arange" in o for o in ops)   # both fused passes
     compiled.gather(lambda bucket: None, dtype=torch.float32, probe_ids=[3, 4, 5])   # the sync's probe
     assert counter.frame_count == frames            # runs eagerly: no second graph to compile
 

@@ -53,15 +53,17 @@ def test_varlen_packing_matches_unpacked_and_sdpa(tmp_path):
         Path(os.environ["MINIRL_RESULTS_DIR"], "test_varlen.json").write_text(json.dumps(seen, indent=1))
 
 
-def test_token_logprobs_on_cuda_match_fp64():
+@pytest.mark.parametrize("compile", [None, "inductor"])
+def test_token_logprobs_on_cuda_match_fp64(compile):
     """The chunked log-probs, their gradient and the fused entropy on bf16 CUDA logits at a real
-    vocabulary's width equal the fp64 reference of the same bf16 values."""
+    vocabulary's width equal the fp64 reference of the same bf16 values, on the plain path and on
+    the compiled one the trainer takes on CUDA (compile="inductor")."""
     from minirl.core import token_logprobs
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(300, 151936, device="cuda", generator=g) * 3).bfloat16().requires_grad_()
     tg = torch.randint(0, 151936, (300,), device="cuda", generator=g)
     for temp in (1.0, 0.7):
-        lp, ent = token_logprobs(x, tg, temperature=temp, entropy=True, chunk_size=64)
+        lp, ent = token_logprobs(x, tg, temperature=temp, entropy=True, chunk_size=64, compile=compile)
         (grad,) = torch.autograd.grad(lp.sum(), x)
         ref_x = (x.detach().double() / temp).requires_grad_()
         ref_logp = torch.log_softmax(ref_x, -1)
@@ -70,3 +72,25 @@ def test_token_logprobs_on_cuda_match_fp64():
         torch.testing.assert_close(lp.double(), ref_lp.detach(), atol=1e-4, rtol=0)
         torch.testing.assert_close(ent.double(), -(ref_logp.exp() * ref_logp).sum(-1).detach(), atol=1e-3, rtol=0)
         torch.testing.assert_close(grad.double(), ref_grad / temp, atol=1e-6, rtol=1e-2)  # a bf16 gradient
+
+
+def test_fused_token_logprobs_memory_on_cuda():
+    """The compiled path's forward + backward over 8,192 rows of bf16 logits at the real vocabulary
+    holds at most the logits' gradient plus half the logits' size beyond them (the issue's bound:
+    2x the logits), whatever rows per chunk it takes."""
+    from minirl.core import token_logprobs
+    x = (torch.randn(8192, 151936, device="cuda") * 3).bfloat16().requires_grad_()
+    tg = torch.randint(0, 151936, (8192,), device="cuda")
+    size = x.numel() * x.element_size()
+    for _ in range(2):                       # the first call compiles
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        lp, _ = token_logprobs(x, tg, temperature=0.7, entropy=True, compile="inductor")
+        (grad,) = torch.autograd.grad(lp.sum(), x)
+        extra = torch.cuda.max_memory_allocated() - base
+        del grad, lp
+    assert extra <= 1.5 * size, f"{extra / 2**30:.2f} GiB beyond {size / 2**30:.2f} GiB of logits"
+    if os.environ.get("MINIRL_RESULTS_DIR"):
+        Path(os.environ["MINIRL_RESULTS_DIR"], "test_fused_logprobs_memory.json").write_text(
+            json.dumps({"logits_gib": size / 2**30, "extra_gib": extra / 2**30}, indent=1))
