@@ -19,6 +19,12 @@ for stage in "$@"; do
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu_env.txt"
       python -c 'import torch, vllm, ray; print(torch.__version__, vllm.__version__, ray.__version__)' >> "$out/gpu_env.txt"
       MINIRL_RESULTS_DIR=$out/tests timeout 300 python -m pytest tests/gpu -q 2>&1 | tail -15 | tee "$out/gpu_tests_tiny.log" ;;
+    tests-trainer)   # the trainer's GPU tests alone (varlen packing, log-probs plain and compiled, their memory)
+      MINIRL_RESULTS_DIR=$out/tests timeout 300 python -m pytest tests/gpu/test_trainer_gpu.py -q 2>&1 | tail -8 ;;
+    logprobs)   # token_logprobs plain and compiled at 16,384 rows (0.6B's LM head) and 8,192 (4B's)
+      timeout 200 python benchmarks/logprobs.py --out "$out/logprobs_h200.json" 2>&1 | tail -9
+      timeout 200 python benchmarks/logprobs.py --rows 8192 --hidden 2560 --temperatures 1.0 \
+        --out "$out/logprobs_h200_8k.json" 2>&1 | tail -7 ;;
     tests-0.6b)   # the same co-located tests at the Qwen3-0.6B shape
       MINIRL_GPU_SHAPE=qwen3-0.6b MINIRL_RESULTS_DIR=$out/tests_q06 timeout 300 python -m pytest tests/gpu -q \
         -k "not varlen" 2>&1 | tail -15 | tee "$out/gpu_tests_q06.log" ;;
