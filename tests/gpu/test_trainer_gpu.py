@@ -49,8 +49,7 @@ def test_varlen_packing_matches_unpacked_and_sdpa(tmp_path):
         seen["max_rel_grad_diff"][name] = rel
         assert rel < 0.05, (name, rel)            # bf16 compute: a few percent at most
     assert abs(packed["loss"] - unpacked["loss"]) < 1e-2 and abs(packed["loss"] - ref["loss"]) < 1e-2
-    if os.environ.get("MINIRL_RESULTS_DIR"):
-        Path(os.environ["MINIRL_RESULTS_DIR"], "test_varlen.json").write_text(json.dumps(seen, indent=1))
+    _record("test_varlen.json", seen)
 
 
 @pytest.mark.parametrize("compile", [None, "inductor"])
@@ -91,6 +90,12 @@ def test_fused_token_logprobs_memory_on_cuda():
         extra = torch.cuda.max_memory_allocated() - base
         del grad, lp
     assert extra <= 1.5 * size, f"{extra / 2**30:.2f} GiB beyond {size / 2**30:.2f} GiB of logits"
+    _record("test_fused_logprobs_memory.json", {"logits_gib": size / 2**30, "extra_gib": extra / 2**30})
+
+
+def _record(name: str, seen: dict) -> None:
+    """Write what a test saw as $MINIRL_RESULTS_DIR/name (nothing when the variable is unset)."""
     if os.environ.get("MINIRL_RESULTS_DIR"):
-        Path(os.environ["MINIRL_RESULTS_DIR"], "test_fused_logprobs_memory.json").write_text(
-            json.dumps({"logits_gib": size / 2**30, "extra_gib": extra / 2**30}, indent=1))
+        out = Path(os.environ["MINIRL_RESULTS_DIR"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(json.dumps(seen, indent=1))
