@@ -20,8 +20,9 @@ training seconds; generated and trained tokens/s; the device's peak memory in us
 50 ms through cudaMemGetInfo, both processes' engines included); trainer MFU = 6 * N * tokens
 trained (prompt + completion) / training seconds / peak, N the model's parameter count, peak
 989.4 TFLOP/s (H200 dense bf16). minirl's steps also record their generation's engine steps (count,
-ms a step, sequences at once), its wall, CPU and garbage-collector seconds, and what the memory plan
-chose (sleep level, micro-batch tokens, recomputation).
+ms a step, sequences at once), its wall, CPU and garbage-collector seconds (and full collections,
+objects frozen out of them), and what the memory plan chose (sleep level, micro-batch tokens,
+recomputed layers of all).
 
     python benchmarks/step.py --shape qwen3-0.6b --max-tokens 256 --out $OUT/step_qwen3-0.6b_256.json
     python benchmarks/step.py --shape tiny --prompts 4 --steps 3 --sides minirl --out /tmp/step.json  # CPU
@@ -85,8 +86,9 @@ def run_minirl(args, model: str) -> dict:
     real_close = mod.WeightManager.close
 
     def close(wm):                                        # what the memory plan chose, for the record
-        seen.update(sleep_level=wm.sleep_level, micro_batch_tokens=wm.trainer.config.micro_batch_tokens, activation_checkpointing=bool(
-            getattr(wm.trainer.model, "is_gradient_checkpointing", False)))
+        seen.update(sleep_level=wm.sleep_level, micro_batch_tokens=wm.trainer.config.micro_batch_tokens,
+                    activation_checkpointing=wm.trainer.recomputes, recomputed_layers=wm.trainer.recomputed_layers,
+                    layers=wm.trainer.num_layers)
         return real_close(wm)
     mod.WeightManager.close = close
     if args.profile:
@@ -117,16 +119,17 @@ def _record_engine_steps(mod) -> list[dict]:
     close to wall). One dict per call, in step order."""
     import gc
     from minirl import vllm_compat as vc
-    calls, real, in_gc = [], mod.run_episodes, [0.0, 0.0]
+    calls, real, in_gc = [], mod.run_episodes, [0.0, 0.0, 0]
 
     def collecting(phase, info):
         if phase == "start":
             in_gc[1] = time.perf_counter()
         else:
             in_gc[0] += time.perf_counter() - in_gc[1]
+            in_gc[2] += info["generation"] == 2
 
     def run_episodes(llm, *a, **kw):
-        in_gc[0], wall, cpu = 0.0, time.perf_counter(), time.thread_time()
+        in_gc[0], in_gc[2], wall, cpu = 0.0, 0, time.perf_counter(), time.thread_time()
         gc.callbacks.append(collecting)
         try:
             with vc.recorded_steps(llm) as steps:
@@ -137,7 +140,8 @@ def _record_engine_steps(mod) -> list[dict]:
         calls.append({"engine_steps": len(steps), "engine_step_ms": 1e3 * sum(t for t, _, _ in steps) / max(len(steps), 1),
                       "engine_s": sum(t for t, _, _ in steps), "max_batch_tokens": max(tokens, default=0),
                       "prefill_steps": sum(bool(p) for _, _, p in steps), "rollout_wall_s": time.perf_counter() - wall,
-                      "rollout_cpu_s": time.thread_time() - cpu, "gc_s": in_gc[0]})
+                      "rollout_cpu_s": time.thread_time() - cpu, "gc_s": in_gc[0], "gc_full": in_gc[2],
+                      "gc_frozen": gc.get_freeze_count()})
         return out
     mod.run_episodes = run_episodes
     return calls

