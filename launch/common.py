@@ -48,7 +48,9 @@ def parse_args(doc: str, run_dir: str, argv=None):
     add("--epochs", type=int, default=1, help="passes over each batch")
     add("--optim-steps", type=int, default=1, help="optimizer steps per pass (gradients accumulated)")
     add("--micro-batch-tokens", type=int, default=16384, help="tokens per packed micro-batch")
-    add("--activation-checkpointing", action="store_true")
+    add("--activation-checkpointing", nargs="?", type=int, const=True, default=None, metavar="LAYERS",
+        help="recompute decoder layers' activations in backward: every layer, or LAYERS of them "
+             "(default: the memory plan decides, CUDA)")
     add("--compile", default=None, action=argparse.BooleanOptionalAction,
         help="torch.compile the trainer's decoder layers (default: on CUDA)")
     add("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full fine-tuning)")
@@ -119,6 +121,8 @@ def check_args(args) -> str | None:
     rules = ((args.eval_k > args.eval_samples, f"--eval-k {args.eval_k} must be <= --eval-samples {args.eval_samples}"),
              (args.overlong_cache > args.max_tokens,
               f"--overlong-cache must be in [0, --max-tokens={args.max_tokens}], got {args.overlong_cache}"),
+             (args.activation_checkpointing is not True and (args.activation_checkpointing or 0) < 0,
+              f"--activation-checkpointing takes a number of layers >= 0, got {args.activation_checkpointing}"),
              (args.eval_every > 0 and args.eval_size == 0, "--eval-every needs held-out rows: set --eval-size N"),
              (args.max_tokens >= args.max_model_len,
               f"--max-tokens {args.max_tokens} must be < --max-model-len {args.max_model_len} (the prompt needs room)"))
@@ -129,7 +133,7 @@ def trainer_config(args) -> TrainerConfig:
     lora = args.lora_rank and LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha or 2 * args.lora_rank,
                                          also_train=tuple(filter(None, args.lora_also_train.split(","))))
     return TrainerConfig(lr=args.lr, seed=args.seed, micro_batch_tokens=args.micro_batch_tokens,
-                         activation_checkpointing=True if args.activation_checkpointing else None,
+                         activation_checkpointing=args.activation_checkpointing,
                          lora=lora or None, cpu_offload=args.offload,
                          reference_offload=args.reference_offload,
                          reference=args.reference or args.kl_coef > 0, compile=args.compile)

@@ -35,6 +35,7 @@ def _error(argv, capsys) -> str:
     (["--eval-every", "-2"], "--eval-every must be >= 0, got -2"),
     (["--max-staleness", "-1"], "--max-staleness must be >= 0, got -1"),
     (["--ray", "-1"], "--ray must be >= 0, got -1"),
+    (["--activation-checkpointing", "-2"], "--activation-checkpointing takes a number of layers >= 0, got -2"),
     (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
     (["--lr", "-0.5"], "--lr must be a finite number > 0, got -0.5"),
     (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
@@ -58,6 +59,9 @@ def test_defaults_and_good_values_parse():
     args = common.parse_args("doc", "runs/x", ["--task", "gsm8k", "--data", "d.jsonl", "--eval-size", "8",
                                                "--eval-every", "2", "--no-thinking", "--max-tokens", "8"])
     assert (args.task, args.eval_size, args.thinking) == ("gsm8k", 8, False)
+    ckpt = [common.trainer_config(common.parse_args("doc", "runs/x", argv)).activation_checkpointing
+            for argv in ([], ["--activation-checkpointing"], ["--activation-checkpointing", "12"])]
+    assert ckpt == [None, True, 12]
     args = common.parse_args("doc", "runs/x", ["--compilation-config", '{"mode": 0}'])
     assert common.llm_kwargs(args)["compilation_config"] == {"mode": 0}
 
