@@ -232,22 +232,20 @@ def load_fsdp_model(path: str, device: torch.device, world: int, compute_dtype: 
     return model
 
 
-def recompute_layers(model: torch.nn.Module, k: int | None = None) -> int:
+def recompute_layers(model: torch.nn.Module, k: int | None = None) -> None:
     """Recompute the activations of k decoder layers (None: all), evenly spaced, in backward; the
-    others keep theirs. Returns how many recompute."""
+    others keep theirs."""
     layers = _decoder_layers(model)
     n = len(layers) if k is None else k
     if not 0 <= n <= len(layers):
         raise ValueError(f"activation_checkpointing={k}: the model has {len(layers)} decoder layers; "
                          f"pass 0..{len(layers)}, True (all) or None (planned)")
     if n == 0:
-        model.gradient_checkpointing_disable()
-        return 0
+        return model.gradient_checkpointing_disable()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    chosen = {i * len(layers) // n for i in range(n)} if n else set()
+    chosen = {i * len(layers) // n for i in range(n)}
     for i, layer in enumerate(layers):           # HF reads each layer's flag at every call
         layer.gradient_checkpointing = i in chosen
-    return n
 
 
 def recomputed_layers(model: torch.nn.Module) -> int:
