@@ -14,7 +14,7 @@ import torch
 from vllm import SamplingParams
 
 from conftest import run_py
-from minirl import Rollout, clipped_policy_loss, get_logprobs, parse_vllm_outputs, ppo_loss_fn
+from minirl import clipped_policy_loss, get_logprobs, parse_vllm_outputs
 from minirl import vllm_compat as vc
 from minirl.colocated import SyncError, WeightManager, WeightManagerConfig
 from minirl.tasks import get_task
@@ -204,32 +204,47 @@ def test_torchrun_two_ranks(tmp_path):
     assert all(r["sync/probe_gap"] < 2e-3 for r in rows[1:])     # each rank's engine == shards
 
 
-def test_the_heap_is_frozen_once_trained_weights_reach_the_engine(tiny_model):
+FREEZE = """
+import gc, json, sys
+from minirl import Rollout, ppo_loss_fn
+from minirl.colocated import WeightManager, WeightManagerConfig
+ids, seen = list(range(5, 15)), []
+
+def step(m):
+    m.as_trainable()
+    m.trainer.forward_backward([Rollout(prompt_ids=ids[:3], completion_ids=ids[3:], reward=1.0,
+                                        sampling_logprobs=[-1.0] * 7, advantage=1.0)], ppo_loss_fn())
+    m.trainer.optim_step()
+    m.as_vllm()
+    return gc.get_freeze_count()
+
+if __name__ == "__main__":
+    m = WeightManager(sys.argv[1], lr=1e-3, config=WeightManagerConfig(freeze_gc=sys.argv[2] == "on"),
+                      enforce_eager=True, max_model_len=128)
+    m.as_vllm(), m.as_trainable(), m.as_vllm()            # a switch with nothing trained
+    at_start = gc.get_freeze_count()
+    garbage = [[] for _ in range(50_000)]                 # alive at the first step's end
+    first = step(m)
+    del garbage
+    second = step(m)
+    m.close()
+    json.dump([at_start, first, second, gc.get_freeze_count(), m.policy_version], open(sys.argv[3], "w"))
+"""
+
+
+@pytest.mark.parametrize("freeze", ["on", "off"])
+def test_the_heap_is_frozen_once_trained_weights_reach_the_engine(tiny_model, tmp_path, freeze):
     """vLLM freezes its start-up heap itself; the first as_vllm() that loads trained weights
     freezes what the first step added (not a switch with nothing trained, not again later, never
-    with freeze_gc=False); after close() nothing stays frozen."""
-    import gc
-    ids = list(range(5, 15))
-
-    def step(m):
-        m.as_trainable()
-        m.trainer.forward_backward([Rollout(prompt_ids=ids[:3], completion_ids=ids[3:], reward=1.0,
-                                            sampling_logprobs=[-1.0] * 7, advantage=1.0)], ppo_loss_fn())
-        m.trainer.optim_step()
-        m.as_vllm()
-        return gc.get_freeze_count()
-
-    for freeze in (True, False):
-        with WeightManager(tiny_model, lr=1e-3, config=WeightManagerConfig(freeze_gc=freeze),
-                           enforce_eager=True, max_model_len=128) as m:
-            m.as_vllm(), m.as_trainable(), m.as_vllm()        # a switch with nothing trained
-            at_start = gc.get_freeze_count()
-            garbage = [[] for _ in range(50_000)]             # alive at the first step's end
-            first = step(m)
-            del garbage
-            assert (first > at_start + 50_000) == freeze and m.policy_version == 1
-            assert step(m) <= first                            # frozen once only
-        assert gc.get_freeze_count() == 0
+    with freeze_gc=False); after close() nothing stays frozen. In a fresh process: closing an
+    engine tears down vLLM's process-wide state that the session's engine uses."""
+    script, out = tmp_path / "freeze.py", tmp_path / "freeze.json"
+    script.write_text(FREEZE)
+    res = run_py([str(script), tiny_model, freeze, str(out)], timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    at_start, first, second, after_close, version = json.loads(out.read_text())
+    assert (first > at_start + 50_000) == (freeze == "on") and version == 2
+    assert second <= first and after_close == 0
 
 
 def test_activation_checkpointing_gives_the_same_gradients(tiny_model, wm):

@@ -191,6 +191,7 @@ def test_compiled_layers_give_the_eager_gradients(tiny_model, trainer):
     from torch._dynamo.testing import CompileCounterWithBackend
     from minirl.trainer import Trainer, TrainerConfig
     rs = _rollouts(4)
+    torch._dynamo.reset()                 # earlier tests' compiles of the same functions count against its limit
     counter = CompileCounterWithBackend("aot_eager")
     compiled = Trainer(tiny_model, TrainerConfig(seed=0, compile=counter))
     grads = []
