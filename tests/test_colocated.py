@@ -208,7 +208,7 @@ FREEZE = """
 import gc, json, sys
 from minirl import Rollout, ppo_loss_fn
 from minirl.colocated import WeightManager, WeightManagerConfig
-ids, seen = list(range(5, 15)), []
+ids = list(range(5, 15))
 
 def step(m):
     m.as_trainable()
