@@ -41,9 +41,11 @@ for stage in "$@"; do
         --out "$out/switch_4b.json" 2>&1 | tail -4 ;;
     step-*)   # the whole GRPO step beside TRL: step-SHAPE-TOKENS[-minirl|-trl]
       IFS=- read -r _ shape tokens side <<< "$stage"
-      mb=64; ckpt=(); [[ $shape == 4b ]] && { mb=16; ckpt=(--trl-grad-ckpt); }
-      steps=5; [[ $shape == 4b ]] && steps=4
-      timeout 900 python benchmarks/step.py --shape "qwen3-$shape" --max-tokens "$tokens" --steps $steps --warmup 2 \
+      # TRL's micro-batch holds the same tokens at every length (64 x 256 at 0.6B, 16 x 256 at 4B, where
+      # it recomputes: without, it ran out of memory); 4 steps (2 measured) at 4B and at 1,024 tokens
+      mb=$((64 * 256 / tokens)); ckpt=(); [[ $shape == 4b ]] && { mb=$((16 * 256 / tokens)); ckpt=(--trl-grad-ckpt); }
+      steps=5; [[ $shape == 4b || $tokens -gt 256 ]] && steps=4
+      timeout "${STEP_TIMEOUT:-580}" python benchmarks/step.py --shape "qwen3-$shape" --max-tokens "$tokens" --steps $steps --warmup 2 \
         --sides "${side:-minirl,trl}" --trl-micro-batch $mb "${ckpt[@]}" ${STEP_ARGS:+"--minirl-args=$STEP_ARGS"} \
         --out "$out/step_qwen3-${shape}_${tokens}${side:+_$side}${STEP_TAG:-}.json" 2>&1 | grep -v "^\[" | tail -6 ;;
     profile-*)   # minirl's step (launch defaults) with its last step's phases under torch.profiler
