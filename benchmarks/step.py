@@ -88,7 +88,7 @@ def run_minirl(args, model: str) -> dict:
     def close(wm):                                        # what the memory plan chose, for the record
         seen.update(sleep_level=wm.sleep_level, micro_batch_tokens=wm.trainer.config.micro_batch_tokens,
                     activation_checkpointing=wm.trainer.recomputes, recomputed_layers=wm.trainer.recomputed_layers,
-                    layers=wm.trainer.num_layers)
+                    layers=wm.trainer.num_layers, memory_plan=wm.trainer.memory_plan)
         return real_close(wm)
     mod.WeightManager.close = close
     if args.profile:

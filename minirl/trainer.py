@@ -303,6 +303,8 @@ class Trainer:
         self.optimizer.register_step_post_hook(lambda *_: setattr(self, "stepped", True))
         self.policy_version = 0
         """The version of the last published weights (publish() counts them)."""
+        self.memory_plan: dict | None = None
+        """What measure_peak tried and chose (CUDA): usable and AdamW GiB, trials, verdict."""
         self.stepped = False
         """True when the optimizer stepped since the last publish()."""
 
@@ -457,61 +459,96 @@ class Trainer:
         (1/8 and 1/4 of it) predict the full one's peak without recomputation (activations grow
         linearly in tokens), so a micro-batch far too big is never run (its failed attempt would
         fill the device); when half of it would fit, micro_batch_tokens is halved instead (a
-        warning says so); else a trial recomputing every layer gives each layer's share and the
-        fewest layers are chosen, then checked by a trial of their own. Usable: 95% of the device,
-        or all of it but `reserve` bytes when given (what shares it, e.g. a sleeping engine, and
-        headroom). Leaves no gradients behind; MemoryError when it does not fit at all."""
-        n, dev = self.config.micro_batch_tokens, self.device
+        warning says so); else, or when the full micro-batch did not fit after all, the fewest
+        layers (_fewest_layers). Usable: 95% of the device, or all of it but `reserve` bytes when
+        given (what shares it, e.g. a sleeping engine, and headroom). The trials and the verdict are
+        in self.memory_plan and logged. Leaves no gradients behind; MemoryError when it does not fit."""
+        n = self.config.micro_batch_tokens
         adam = self.unallocated_optimizer_bytes()
-        total = torch.cuda.mem_get_info(dev)[1]
+        total = torch.cuda.mem_get_info(self.device)[1]
         limit = total - reserve if reserve else total * 0.95
-        layers = self.num_layers
+        plan = self.memory_plan = {"usable_gib": limit / 2**30, "adam_gib": adam / 2**30, "trials": []}
+        fits = lambda peak: peak is not None and peak <= limit
+
+        def trial(layers: int | None, tokens: int) -> int | None:    # peak + AdamW; None: out of memory
+            if layers is not None:
+                self.recompute_activations(layers)
+            peak = self.agreed_max([self._trial_peak(tokens)])[0]
+            peak = None if peak is None else peak + adam
+            plan["trials"].append([tokens, self.recomputed_layers, None if peak is None else round(peak / 2**30, 2)])
+            return peak
+
+        none = None                 # the full micro-batch's peak without recomputation (predicted, then measured)
         auto = self.config.activation_checkpointing is None
-        tries = [0, layers] if auto else [None]     # recomputed layers to try in turn; None: as configured
         if auto and n >= 64:
-            small = self.agreed_max([self._trial_peak(k) for k in (n // 8, n // 4)])
-            fits = lambda m: None not in small and predict_peak(n // 8, small[0], n // 4, small[1], m) + adam <= limit
-            if fits(n // 2) and not fits(n):        # half the tokens, nothing recomputed: faster than
-                logging.getLogger(__name__).warning(   # recomputing layers of a full micro-batch
-                    "micro_batch_tokens %d -> %d: a full micro-batch would not fit in training memory without "
-                    "recomputation (%.1f GiB usable); activation_checkpointing=True keeps %d", n, n // 2,
-                    limit / 2**30, n)
-                n = n // 2
-                self.config = replace(self.config, micro_batch_tokens=n)
-            elif not fits(n):
-                tries = self._layers_to_try(n, small, adam, limit, layers)
-        for k in tries:
-            if k is not None:
-                self.recompute_activations(k)
-            peak = self.agreed_max([self._trial_peak(n)])[0]
-            if peak is not None and peak + adam <= limit:
-                if k is not None and 0 < k < layers:
-                    logging.getLogger(__name__).info("recomputing %d of %d decoder layers: a %d-token micro-batch "
-                                                     "peaks at %.1f GiB of %.1f usable", k, layers, n,
-                                                     (peak + adam) / 2**30, limit / 2**30)
-                return peak + adam
+            small = [trial(0, n // 8), trial(0, n // 4)]
+            if None not in small:
+                none = predict_peak(n // 8, small[0], n // 4, small[1], n)
+                if none > limit and predict_peak(n // 8, small[0], n // 4, small[1], n // 2) <= limit:
+                    logging.getLogger(__name__).warning(   # half the tokens, nothing recomputed: faster
+                        "micro_batch_tokens %d -> %d: a full micro-batch would not fit in training memory "
+                        "without recomputation (%.1f GiB usable); activation_checkpointing=True keeps %d",
+                        n, n // 2, limit / 2**30, n)
+                    n, none = n // 2, predict_peak(n // 8, small[0], n // 4, small[1], n // 2)
+                    self.config = replace(self.config, micro_batch_tokens=n)
+        if not auto or n < 64 or (none is not None and none <= limit):
+            peak = trial(0 if auto else None, n)
+            if fits(peak) or not auto:
+                return self._plan_done(peak, limit, n)
+            none = peak                            # measured (None: out of memory)
+        return self._plan_done(self._fewest_layers(n, none, limit, trial), limit, n)
+
+    def _fewest_layers(self, n: int, none: float | None, limit: float, trial) -> int | None:
+        """For an n-token micro-batch whose peak without recomputation (`none`; None: out of memory) is
+        over the limit: a trial recomputing every layer, then the fewest layers on the line through
+        the nearest trials that fit and that do not (the peak falls by about the same amount with each
+        layer recomputed; a trial out of memory halves the range instead), four partial trials at
+        most. Leaves that many layers recomputing; returns their peak (None when every layer does
+        not fit either)."""
+        layers = self.num_layers
+        hi, hi_peak = layers, trial(layers, n)              # the fewest layers known to fit
+        if hi_peak is None or hi_peak > limit:
+            return hi_peak
+        lo, lo_peak = 0, none                               # the most known not to (None: out of memory)
+        for _ in range(4):
+            if hi - lo <= 1:
+                break
+            if lo_peak is None:
+                k = (lo + hi + 1) // 2
+            else:
+                k = lo + math.ceil((lo_peak - limit) / max((lo_peak - hi_peak) / (hi - lo), 1.0))
+                if k >= hi:
+                    break
+                k = max(k, lo + 1)
+            peak = trial(k, n)
+            if peak is not None and peak <= limit:
+                hi, hi_peak = k, peak
+                break
+            lo, lo_peak = k, peak
+        if self.recomputed_layers != hi:
+            self.recompute_activations(hi)
+        return hi_peak
+
+    def _plan_done(self, peak: int | None, limit: float, n: int) -> int:
+        """measure_peak's verdict: logged and recorded, or MemoryError naming the levers."""
+        plan, layers = self.memory_plan, self.num_layers
+        plan.update(micro_batch_tokens=n, recomputed_layers=self.recomputed_layers,
+                    peak_gib=None if peak is None else round(peak / 2**30, 2))
+        if peak is not None and peak <= limit:
+            logging.getLogger(__name__).info(
+                "training memory: %d-token micro-batches, %d of %d decoder layers recomputed, peak %.1f GiB of "
+                "%.1f usable (trials [tokens, layers recomputed, GiB]: %s)", n, self.recomputed_layers, layers,
+                peak / 2**30, limit / 2**30, plan["trials"])
+            return peak
+        adam = self.unallocated_optimizer_bytes()
         on = self.recomputes
-        need = "ran out of device memory" if peak is None else f"peaks at {peak / 2**30:.1f} GiB"
+        need = "ran out of device memory" if peak is None else f"peaks at {(peak - adam) / 2**30:.1f} GiB"
         raise MemoryError(f"one micro-batch of {n} tokens does not fit in training memory on "
-                          f"{torch.cuda.get_device_name(dev)} (activation checkpointing "
+                          f"{torch.cuda.get_device_name(self.device)} (activation checkpointing "
                           f"{'on, ' + str(self.recomputed_layers) + ' layers' if on else 'off'}): its "
                           f"forward_backward {need}, AdamW's first step adds {adam / 2**30:.1f} GiB, and "
                           f"{limit / 2**30:.1f} GiB is usable. Levers: a lower micro_batch_tokens, "
                           + "; ".join([*self._memory_levers(), "more GPUs, or a smaller model"]))
-
-    def _layers_to_try(self, n: int, small: list[int | None], adam: int, limit: float, layers: int) -> list[int]:
-        """The recomputed-layer counts measure_peak tries for an n-token micro-batch that does not fit
-        without recomputation: a trial recomputing every layer and the predicted peak without give each
-        layer's share (the peak falls by the same amount with each layer recomputed); the fewest layers
-        under the limit first, then more in steps of an eighth, then all."""
-        self.recompute_activations()
-        every = self.agreed_max([self._trial_peak(n)])[0]
-        if every is None or None in small:
-            return [layers]
-        none = predict_peak(n // 8, small[0], n // 4, small[1], n)
-        share = max((none - every) / layers, 1.0)
-        k = min(layers, max(1, math.ceil((none + adam - limit) / share)))
-        return sorted({*range(k, layers, max(1, layers // 8)), layers})
 
     @property
     def recomputes(self) -> bool:

@@ -141,6 +141,28 @@ def test_single_turn_is_the_one_turn_episode(wm):
             assert r.info["turns"] == 1 and r.policy_version == wm.policy_version
 
 
+
+def test_a_session_collects_young_objects_less_often_and_restores_the_collector(wm):
+    """Inside a session the collector's first threshold is config.gc_threshold (fewer full scans of
+    the heap while the engine steps); after it, also when an episode raised, it is what it was; None
+    leaves it alone."""
+    import gc
+    before, seen = gc.get_threshold(), []
+
+    async def episode(ep):
+        seen.append(gc.get_threshold())
+        await ep.generate(max_tokens=1)
+        if ep.prompt == "boom":
+            raise RuntimeError("boom")
+        return 0.0
+    runner = EpisodeRunner(wm.as_vllm(), config=EpisodeConfig(gc_threshold=before[0] + 12345))
+    runner.run(episode, ["1+1="])
+    with pytest.raises(Exception, match="boom"):
+        runner.run(episode, ["boom"])
+    EpisodeRunner(wm.as_vllm(), config=EpisodeConfig(gc_threshold=None)).run(episode, ["1+1="])
+    assert seen == [(before[0] + 12345, *before[1:])] * 2 + [before]
+    assert gc.get_threshold() == before
+
 def test_a_run_returns_when_its_last_group_ends(wm, monkeypatch):
     """No tool waits here, so nothing is ever idle: the session ends as its last group does (it once
     waited out run()'s 1 s idle poll after the last group, a second added to every co-located step,

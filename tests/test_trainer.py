@@ -373,6 +373,45 @@ def test_the_fewest_layers_that_fit_are_recomputed(tmp_path, monkeypatch, bump_g
     assert tried == [(2048, 0), (4096, 0), (16384, 8), *[(16384, k) for k in range(6, layers + 1)]]
 
 
+
+def test_a_full_trial_over_its_prediction_recomputes_the_fewest_layers_not_all(tmp_path, monkeypatch):
+    """The small trials predict that 16,384 tokens fit (2 GiB + 0.4 MiB a token: 8.4 + 1 GiB AdamW of
+    10 usable) but the full trial peaks 3 GiB above its line (12.4 GiB). Its measured peak, not the
+    prediction, draws the line to the every-layer trial (2 + 1.6 + 1 = 4.6 GiB, 0.975 GiB a layer):
+    ceil(2.4 / 0.975) = 3 of 8 layers, which fit (7.6 GiB); not every layer, which also fits."""
+    from minirl.tiny import build_tiny_model
+    from minirl.trainer import Trainer, TrainerConfig
+    gib = 2**30
+    tr = Trainer(str(build_tiny_model(tmp_path / "m8", num_layers=8)), TrainerConfig(lr=1e-3))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
+    peak = lambda n, k: 2 * gib + n * 0.4 * 2**20 * (1 - 0.75 * k / 8) + (3 * gib if (n, k) == (16384, 0) else 0)
+    tried = []
+    monkeypatch.setattr(tr, "_trial_peak", lambda n: tried.append((n, tr.recomputed_layers)) or int(peak(n, tr.recomputed_layers)))
+    monkeypatch.setattr(tr, "unallocated_optimizer_bytes", lambda: gib)
+    got = tr.measure_peak(reserve=2 * gib)
+    assert (tr.config.micro_batch_tokens, tr.recomputed_layers) == (16384, 3)
+    assert got == int(peak(16384, 3)) + gib <= 10 * gib
+    assert tried == [(2048, 0), (4096, 0), (16384, 0), (16384, 8), (16384, 3)]
+    assert tr.memory_plan["recomputed_layers"] == 3 and [t[:2] for t in tr.memory_plan["trials"]] == [list(t) for t in tried]
+
+
+def test_a_partial_trial_out_of_memory_halves_the_range(tmp_path, monkeypatch):
+    """As the test above, but every trial recomputing fewer than 6 of the 8 layers runs out of memory
+    (None), the full one without recomputation too: no line to draw, so the range 0..8 is halved (4
+    fails), then 4..8 (6 fits), and 6 is what stays recomputing."""
+    from minirl.tiny import build_tiny_model
+    from minirl.trainer import Trainer, TrainerConfig
+    gib = 2**30
+    tr = Trainer(str(build_tiny_model(tmp_path / "m8", num_layers=8)), TrainerConfig(lr=1e-3))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
+    peak = lambda n, k: None if (n == 16384 and k < 6) else int(2 * gib + n * 0.4 * 2**20 * (1 - 0.75 * k / 8))
+    tried = []
+    monkeypatch.setattr(tr, "_trial_peak", lambda n: tried.append((n, tr.recomputed_layers)) or peak(n, tr.recomputed_layers))
+    monkeypatch.setattr(tr, "unallocated_optimizer_bytes", lambda: gib)
+    tr.measure_peak(reserve=2 * gib)
+    assert tried == [(2048, 0), (4096, 0), (16384, 0), (16384, 8), (16384, 4), (16384, 6)]
+    assert tr.recomputed_layers == 6
+
 MEMORY_RANKS = """
 import json, torch, torch.distributed as dist
 from minirl.colocated import _fit_beside_sleeping_engine
