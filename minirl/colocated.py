@@ -142,7 +142,8 @@ class WeightManager:
             t["wake_s"] = _since(t0, cuda)
             checked = (self._sync(t) if self.config.sync_weights and (asleep or tr.stepped or self._reload)
                        else None)
-            if asleep:
+            if asleep:                        # the sync's buffers, cached by the trainer's allocator, too
+                torch.cuda.empty_cache()
                 vc.wake(self.llm, ["kv_cache"])
             self._reload = False
             self.llm.reset_prefix_cache()

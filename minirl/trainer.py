@@ -581,12 +581,17 @@ class Trainer:
         return [None if x >= big else x for x in t.tolist()]
 
     def _trial_peak(self, n: int) -> int | None:
-        """Peak bytes allocated by one forward_backward over n random tokens (None: out of memory)."""
+        """Peak bytes allocated by one forward_backward over n random tokens (None: out of memory),
+        accumulating into gradients that already exist, as every micro-batch after a step's first
+        does (a first one's backward frees activations as it makes gradients: it peaks lower)."""
         from minirl.data import Rollout
         dev = self.device
         ids = torch.randint(0, self.model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
         dummy = Rollout(prompt_ids=ids[:1].tolist(), completion_ids=ids[1:].tolist(), reward=0.0,
                         sampling_logprobs=[0.0] * (n - 1), device=str(dev))
+        for p in self.model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
         try:

@@ -412,6 +412,23 @@ def test_a_partial_trial_out_of_memory_halves_the_range(tmp_path, monkeypatch):
     assert tried == [(2048, 0), (4096, 0), (16384, 0), (16384, 8), (16384, 4), (16384, 6)]
     assert tr.recomputed_layers == 6
 
+
+def test_a_memory_trial_accumulates_into_existing_gradients(tiny_model, monkeypatch):
+    """A trial measures a micro-batch after a step's first: every gradient already there while it
+    runs (the first one's backward frees activations as its gradients appear, so it peaks lower: at
+    4B, 15 GiB lower, and a plan made on it ran out of memory at the second step), none left after."""
+    from minirl.trainer import Trainer, TrainerConfig
+    tr = Trainer(tiny_model, TrainerConfig(lr=1e-3))
+    seen = []
+    monkeypatch.setattr(tr, "forward_backward", lambda rollouts, fn: seen.append(
+        [p.grad is not None and p.grad.shape == p.shape for p in tr.model.parameters()]))
+    for name in ("empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 123)
+    assert tr._trial_peak(64) == 123
+    assert len(seen) == 1 and all(seen[0]) and len(seen[0]) > 0
+    assert all(p.grad is None for p in tr.model.parameters())
+
 MEMORY_RANKS = """
 import json, torch, torch.distributed as dist
 from minirl.colocated import _fit_beside_sleeping_engine
