@@ -299,3 +299,32 @@ def test_gather_during_forward_is_the_full_gather(tiny_model, wm, ckpt):
                    for bg, br in zip(got, ref) for (_, a), (_, b) in zip(bg, br))
         assert all(type(p).__name__ == "DTensor" for p in m.parameters())      # resharded
     assert torch.equal(gather_during_forward(m, lambda: m(ids).logits, lambda b: None), expected)
+
+
+@pytest.mark.parametrize("sleep_level, want, level, kv_gib", [(None, 30, 2, 30.0), (0, 50, 0, 40.04)])
+def test_the_memory_plan_puts_the_engine_to_sleep_unless_told_to_keep_it(monkeypatch, sleep_level, want, level, kv_gib):
+    """The plan's arithmetic on a stood-in 100 GiB device, 1B parameters (bf16 engine: 1.96 GiB of
+    weights + 4 GiB working memory), trainer weights 4 GiB, AdamW 8 GiB, a measured step peaking 44
+    GiB (40 above the weights), 10 GiB headroom, 3 GiB margin, 96 GiB free. By default the engine
+    sleeps while training, even when it would fit beside the step's peak (a 30 GiB KV cache would):
+    the training step gets its memory. Resident (sleep_level=0) the KV cache has to fit beside the
+    step's peak: 96 - 10 - 40 - 5.96 = 40.04 GiB, and a 50 GiB want is cut to that."""
+    import types
+
+    from minirl.colocated import GIB, WeightManagerConfig, _memory_plan
+    cfg = types.SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, head_dim=GIB // 4,
+                                max_position_embeddings=10)      # 1 GiB of KV cache a token (bf16)
+    n_params = 10**9
+    model = types.SimpleNamespace(config=cfg, parameters=lambda: [types.SimpleNamespace(numel=lambda: n_params)])
+    trainer = types.SimpleNamespace(model=model, rank=types.SimpleNamespace(world_size=1),
+                                    device=torch.device("cuda"), compute_dtype=torch.bfloat16,
+                                    unallocated_optimizer_bytes=lambda: 8 * GIB,
+                                    measure_peak=lambda reserve: 44 * GIB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (96 * GIB, 100 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 4 * GIB)
+    got_level, kw, need = _memory_plan(trainer, {"max_num_seqs": want, "max_model_len": 1},
+                                       WeightManagerConfig(sleep_level=sleep_level))
+    assert got_level == level and need == 40 * GIB
+    engine = n_params * 2 * 1.05 + 4 * GIB
+    beside = (96 - 3 - 8) * GIB - engine if level else (96 - 10 - 40) * GIB - engine
+    assert kw["kv_cache_memory_bytes"] == int(min(want * GIB, beside)) and abs(kw["kv_cache_memory_bytes"] / GIB - kv_gib) < 0.05

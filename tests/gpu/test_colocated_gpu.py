@@ -62,8 +62,7 @@ def gpu_wm(gpu_model):
     weights) for every test here: vLLM allows one sleep-enabled engine per process."""
     from minirl.colocated import WeightManager, WeightManagerConfig
     lr = float(os.environ.get("MINIRL_GPU_LR", 1e-3 if gpu_shape() == "tiny" else 1e-4))
-    # sleep_level=2 explicitly: the default would keep this small model resident, and these
-    # tests are about the sleep / wake / reload path.
+    # sleep_level=2 (the default) explicitly: these tests are about the sleep / wake / reload path.
     wm = WeightManager(gpu_model, lr=lr, enforce_eager=os.environ.get("MINIRL_GPU_EAGER", "0") == "1", max_model_len=256,
                        config=WeightManagerConfig(sleep_level=2),
                        gpu_memory_utilization=float(os.environ.get("MINIRL_GPU_UTIL", 0.3)))
