@@ -42,10 +42,11 @@ for stage in "$@"; do
     step-*)   # the whole GRPO step beside TRL: step-SHAPE-TOKENS[-minirl|-trl]
       IFS=- read -r _ shape tokens side <<< "$stage"
       # TRL's micro-batch holds the same tokens at every length (64 x 256 at 0.6B, 16 x 256 at 4B, where
-      # it recomputes: without, it ran out of memory); 4 steps (2 measured) at 4B and at 1,024 tokens
+      # it recomputes: without, it ran out of memory); one warm-up step (the second already ran as the
+      # later ones on both sides, 2026-12-03), then 3 steps at 256 tokens and 2 at 1,024
       mb=$((64 * 256 / tokens)); ckpt=(); [[ $shape == 4b ]] && { mb=$((16 * 256 / tokens)); ckpt=(--trl-grad-ckpt); }
-      steps=5; [[ $shape == 4b || $tokens -gt 256 ]] && steps=4
-      timeout "${STEP_TIMEOUT:-580}" python benchmarks/step.py --shape "qwen3-$shape" --max-tokens "$tokens" --steps $steps --warmup 2 \
+      steps=4; [[ $tokens -gt 256 ]] && steps=3
+      timeout "${STEP_TIMEOUT:-580}" python benchmarks/step.py --shape "qwen3-$shape" --max-tokens "$tokens" --steps $steps --warmup 1 \
         --sides "${side:-minirl,trl}" --trl-micro-batch $mb "${ckpt[@]}" ${STEP_ARGS:+"--minirl-args=$STEP_ARGS"} \
         --out "$out/step_qwen3-${shape}_${tokens}${side:+_$side}${STEP_TAG:-}.json" 2>&1 | grep -v "^\[" | tail -6 ;;
     profile-*)   # minirl's step (launch defaults) with its last step's phases under torch.profiler
