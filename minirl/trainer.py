@@ -467,38 +467,40 @@ class Trainer:
         adam = self.unallocated_optimizer_bytes()
         total = torch.cuda.mem_get_info(self.device)[1]
         limit = total - reserve if reserve else total * 0.95
-        plan = self.memory_plan = {"usable_gib": limit / 2**30, "adam_gib": adam / 2**30, "trials": []}
-        fits = lambda peak: peak is not None and peak <= limit
-
-        def trial(layers: int | None, tokens: int) -> int | None:    # peak + AdamW; None: out of memory
-            if layers is not None:
-                self.recompute_activations(layers)
-            peak = self.agreed_max([self._trial_peak(tokens)])[0]
-            peak = None if peak is None else peak + adam
-            plan["trials"].append([tokens, self.recomputed_layers, None if peak is None else round(peak / 2**30, 2)])
-            return peak
-
+        self.memory_plan = {"usable_gib": limit / 2**30, "adam_gib": adam / 2**30, "trials": []}
         none = None                 # the full micro-batch's peak without recomputation (predicted, then measured)
         auto = self.config.activation_checkpointing is None
         if auto and n >= 64:
-            small = [trial(0, n // 8), trial(0, n // 4)]
+            small = [self._plan_trial(0, n // 8, adam), self._plan_trial(0, n // 4, adam)]
             if None not in small:
-                none = predict_peak(n // 8, small[0], n // 4, small[1], n)
-                if none > limit and predict_peak(n // 8, small[0], n // 4, small[1], n // 2) <= limit:
+                predicted = lambda m: predict_peak(n // 8, small[0], n // 4, small[1], m)
+                none = predicted(n)
+                if none > limit and predicted(n // 2) <= limit:
                     logging.getLogger(__name__).warning(   # half the tokens, nothing recomputed: faster
                         "micro_batch_tokens %d -> %d: a full micro-batch would not fit in training memory "
                         "without recomputation (%.1f GiB usable); activation_checkpointing=True keeps %d",
                         n, n // 2, limit / 2**30, n)
-                    n, none = n // 2, predict_peak(n // 8, small[0], n // 4, small[1], n // 2)
+                    n, none = n // 2, predicted(n // 2)
                     self.config = replace(self.config, micro_batch_tokens=n)
         if not auto or n < 64 or (none is not None and none <= limit):
-            peak = trial(0 if auto else None, n)
-            if fits(peak) or not auto:
+            peak = self._plan_trial(0 if auto else None, n, adam)
+            if not auto or (peak is not None and peak <= limit):
                 return self._plan_done(peak, limit, n)
             none = peak                            # measured (None: out of memory)
-        return self._plan_done(self._fewest_layers(n, none, limit, trial), limit, n)
+        return self._plan_done(self._fewest_layers(n, none, limit, adam), limit, n)
 
-    def _fewest_layers(self, n: int, none: float | None, limit: float, trial) -> int | None:
+    def _plan_trial(self, layers: int | None, tokens: int, adam: int) -> int | None:
+        """_trial_peak with that many layers recomputing (None: as they are) + AdamW's state, agreed
+        over the ranks and recorded in memory_plan["trials"]; None: out of memory."""
+        if layers is not None:
+            self.recompute_activations(layers)
+        peak = self.agreed_max([self._trial_peak(tokens)])[0]
+        peak = None if peak is None else peak + adam
+        self.memory_plan["trials"].append([tokens, self.recomputed_layers,
+                                           None if peak is None else round(peak / 2**30, 2)])
+        return peak
+
+    def _fewest_layers(self, n: int, none: float | None, limit: float, adam: int) -> int | None:
         """For an n-token micro-batch whose peak without recomputation (`none`; None: out of memory) is
         over the limit: a trial recomputing every layer, then the fewest layers on the line through
         the nearest trials that fit and that do not (the peak falls by about the same amount with each
@@ -506,7 +508,7 @@ class Trainer:
         most. Leaves that many layers recomputing; returns their peak (None when every layer does
         not fit either)."""
         layers = self.num_layers
-        hi, hi_peak = layers, trial(layers, n)              # the fewest layers known to fit
+        hi, hi_peak = layers, self._plan_trial(layers, n, adam)   # the fewest layers known to fit
         if hi_peak is None or hi_peak > limit:
             return hi_peak
         lo, lo_peak = 0, none                               # the most known not to (None: out of memory)
@@ -520,7 +522,7 @@ class Trainer:
                 if k >= hi:
                     break
                 k = max(k, lo + 1)
-            peak = trial(k, n)
+            peak = self._plan_trial(k, n, adam)
             if peak is not None and peak <= limit:
                 hi, hi_peak = k, peak
                 break
