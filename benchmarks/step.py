@@ -116,8 +116,12 @@ def _record_engine_steps(mod) -> list[dict]:
     run_episodes): how many, their mean milliseconds, the most tokens one scheduled (the sequences
     decoding at once) and how many mixed in prefill; and the phase's wall, this thread's CPU
     seconds and the seconds in Python's garbage collector (a CPU-bound engine loop shows CPU
-    close to wall). One dict per call, in step order."""
+    close to wall; so does one spin-waiting on the device), every thread's CPU seconds, the
+    host's 1-minute load, and the CUDA allocator's retries (a full cache freed and the allocation
+    tried again) and fresh device allocations in the phase. One dict per call, in step order."""
     import gc
+    import os
+    import torch
     from minirl import vllm_compat as vc
     calls, real, in_gc = [], mod.run_episodes, [0.0, 0.0, 0]
 
@@ -128,8 +132,13 @@ def _record_engine_steps(mod) -> list[dict]:
             in_gc[0] += time.perf_counter() - in_gc[1]
             in_gc[2] += info["generation"] == 2
 
+    def allocator() -> tuple[int, int]:
+        st = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+        return st.get("num_alloc_retries", 0), st.get("num_device_alloc", 0)
+
     def run_episodes(llm, *a, **kw):
         in_gc[0], in_gc[2], wall, cpu = 0.0, 0, time.perf_counter(), time.thread_time()
+        every, (retries, allocs) = time.process_time(), allocator()
         gc.callbacks.append(collecting)
         try:
             with vc.recorded_steps(llm) as steps:
@@ -141,7 +150,9 @@ def _record_engine_steps(mod) -> list[dict]:
                       "engine_s": sum(t for t, _, _ in steps), "max_batch_tokens": max(tokens, default=0),
                       "prefill_steps": sum(bool(p) for _, _, p in steps), "rollout_wall_s": time.perf_counter() - wall,
                       "rollout_cpu_s": time.thread_time() - cpu, "gc_s": in_gc[0], "gc_full": in_gc[2],
-                      "gc_frozen": gc.get_freeze_count()})
+                      "gc_frozen": gc.get_freeze_count(), "process_cpu_s": time.process_time() - every,
+                      "loadavg_1m": os.getloadavg()[0], "alloc_retries": allocator()[0] - retries,
+                      "device_allocs": allocator()[1] - allocs})
         return out
     mod.run_episodes = run_episodes
     return calls
