@@ -117,6 +117,32 @@ def test_logged_entropy_is_the_sampling_distributions(trainer):
     assert seen and all(e is None for e in seen)
 
 
+def test_adamw_state_allocated_at_load_steps_as_the_state_its_first_step_creates(tiny_model):
+    """The Trainer allocates AdamW's moments when it loads (so they lie apart from the step's
+    activations on a GPU): zero moments, step count 0, weights as loaded, no step counted. Two steps
+    on the same gradients then give exactly the weights of a trainer whose state AdamW creates
+    lazily (a step count left at 1, a learning rate left at 0 or a weight decay applied at load
+    would each differ)."""
+    from minirl.trainer import Trainer, TrainerConfig
+    cfg = TrainerConfig(lr=1e-2, weight_decay=0.1, max_grad_norm=None)
+    a, b = Trainer(tiny_model, cfg), Trainer(tiny_model, cfg)
+    assert not a.stepped and a.unallocated_optimizer_bytes() == 0
+    assert len(a.optimizer.state) == len(list(a.model.parameters()))
+    for st in a.optimizer.state.values():
+        assert float(st["step"]) == 0 and not st["exp_avg"].full_tensor().any() and not st["exp_avg_sq"].full_tensor().any()
+    assert all(torch.equal(p.full_tensor(), q.full_tensor()) for p, q in zip(a.model.parameters(), b.model.parameters()))
+    b.optimizer.state.clear()                       # b: AdamW creates its state at the first step
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        for p, q in zip(a.model.parameters(), b.model.parameters()):
+            grad = torch.randn(p.full_tensor().shape, generator=g)
+            p.grad = torch.distributed.tensor.distribute_tensor(grad, p.device_mesh, p.placements)
+            q.grad = torch.distributed.tensor.distribute_tensor(grad.clone(), q.device_mesh, q.placements)
+        a.optim_step(), b.optim_step()
+    assert a.stepped
+    assert all(torch.equal(p.full_tensor(), q.full_tensor()) for p, q in zip(a.model.parameters(), b.model.parameters()))
+
+
 def test_non_finite_gradient_is_refused(trainer):
     rs = _rollouts(2)
     rs[0].advantage = float("nan")
