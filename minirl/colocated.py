@@ -338,10 +338,11 @@ measured 6.0 GiB at the Qwen3-4B shape with 512 sequences on an H200."""
 
 
 def _headroom(total: int) -> float:
-    """Room a planned training step leaves free: its trial runs before AdamW's state exists, and
-    that state, allocated after the first step's activations, fragments the device. Measured at
-    the Qwen3-4B shape (16k-token micro-batches, engine asleep, H200): the trial fit with 7 GiB to
-    spare, the second step ran out with 4.8 GiB reserved but unallocated."""
+    """Room a planned training step leaves free, for the allocator's fragmentation between steps.
+    Measured at the Qwen3-4B shape (16k-token micro-batches, engine asleep, H200) when AdamW's
+    state was still created by the first step: the trial fit with 7 GiB to spare, the second step
+    ran out with 4.8 GiB reserved but unallocated (the state is allocated at load since:
+    Trainer._allocate_optimizer_state)."""
     return max(2 * GIB, 0.10 * total)
 
 
@@ -385,10 +386,9 @@ def _memory_plan(trainer: Trainer, kw: dict, cfg: WeightManagerConfig) -> tuple[
     user_sized = "gpu_memory_utilization" in kw or "kv_cache_memory_bytes" in kw
     if cfg.sleep_level is not None and user_sized:
         return cfg.sleep_level, {}, None
-    adam = trainer.unallocated_optimizer_bytes()
     headroom = _headroom(torch.cuda.mem_get_info(trainer.device)[1])
     peak = trainer.measure_peak(reserve=ENGINE_ASLEEP + headroom)   # bytes, a whole training step
-    now = torch.cuda.memory_allocated(trainer.device)   # weights (no gradients, no Adam state yet)
+    now = torch.cuda.memory_allocated(trainer.device)   # weights and AdamW's state (no gradients)
     free, total = torch.cuda.mem_get_info(trainer.device)
     margin = max(2 * GIB, 0.03 * total)
     mc = trainer.model.config
@@ -400,7 +400,7 @@ def _memory_plan(trainer: Trainer, kw: dict, cfg: WeightManagerConfig) -> tuple[
     want = (cfg.kv_cache_gib * GIB if cfg.kv_cache_gib is not None
             else kw.get("max_num_seqs", 256) * max_len * per_token)
     beside_peak = free - headroom - (peak - now) - engine   # resident: the step beside it all
-    beside_weights = free - margin - adam - engine
+    beside_weights = free - margin - engine
     level = 2 if cfg.sleep_level is None else cfg.sleep_level
     if user_sized:
         return level, {}, peak - now
@@ -410,7 +410,7 @@ def _memory_plan(trainer: Trainer, kw: dict, cfg: WeightManagerConfig) -> tuple[
         raise MemoryError(
             f"trainer and engine do not fit on {torch.cuda.get_device_name(trainer.device)}: training "
             f"{n_params / 1e9:.2f}B parameters over {world} GPU(s) peaks at {peak / GIB:.1f} GiB and keeps "
-            f"{(now + adam) / GIB:.1f} GiB while generating; the engine needs {engine / GIB:.1f} GiB plus a KV "
+            f"{now / GIB:.1f} GiB while generating; the engine needs {engine / GIB:.1f} GiB plus a KV "
             f"cache of at least {2 * max_len * per_token / GIB:.2f} GiB (two {max_len}-token sequences), and "
             f"{free / GIB:.1f} of {total / GIB:.1f} GiB is free. Levers: {lever}a smaller "
             "micro_batch_tokens or activation_checkpointing=True, a shorter max_model_len, more GPUs, or a "

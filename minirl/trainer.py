@@ -471,16 +471,9 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def unallocated_optimizer_bytes(self) -> int:
-        """What AdamW's two fp32 moments of this rank's shard have yet to take on the device: 0, as
-        the Trainer allocates them at load (_allocate_optimizer_state) or keeps them on the host."""
-        if self.optimizer.state or self.config.cpu_offload:          # offloaded: the state lives on the host
-            return 0
-        return 8 * sum(_local(p).numel() for p in self.model.parameters() if p.requires_grad)
-
     def measure_peak(self, reserve: int = 0) -> int:
         """Bytes allocated (CUDA) at the peak of one forward_backward over a full micro-batch of
-        random tokens, plus the AdamW state the first step adds. With activation_checkpointing
+        random tokens, weights, gradients and AdamW's state (allocated at load) included. With activation_checkpointing
         None, recomputes the fewest decoder layers that make that micro-batch fit: two small trials
         (1/8 and 1/4 of it) predict the full one's peak without recomputation (activations grow
         linearly in tokens), so a micro-batch far too big is never run (its failed attempt would
@@ -490,14 +483,13 @@ class Trainer:
         given (what shares it, e.g. a sleeping engine, and headroom). The trials and the verdict are
         in self.memory_plan and logged. Leaves no gradients behind; MemoryError when it does not fit."""
         n = self.config.micro_batch_tokens
-        adam = self.unallocated_optimizer_bytes()
         total = torch.cuda.mem_get_info(self.device)[1]
         limit = total - reserve if reserve else total * 0.95
-        self.memory_plan = {"usable_gib": limit / 2**30, "adam_gib": adam / 2**30, "trials": []}
+        self.memory_plan = {"usable_gib": limit / 2**30, "trials": []}
         none = None                 # the full micro-batch's peak without recomputation (predicted, then measured)
         auto = self.config.activation_checkpointing is None
         if auto and n >= 64:
-            small = [self._plan_trial(0, n // 8, adam), self._plan_trial(0, n // 4, adam)]
+            small = [self._plan_trial(0, n // 8), self._plan_trial(0, n // 4)]
             if None not in small:
                 predicted = lambda m: predict_peak(n // 8, small[0], n // 4, small[1], m)
                 none = predicted(n)
@@ -509,24 +501,22 @@ class Trainer:
                     n, none = n // 2, predicted(n // 2)
                     self.config = replace(self.config, micro_batch_tokens=n)
         if not auto or n < 64 or (none is not None and none <= limit):
-            peak = self._plan_trial(0 if auto else None, n, adam)
+            peak = self._plan_trial(0 if auto else None, n)
             if not auto or (peak is not None and peak <= limit):
                 return self._plan_done(peak, limit, n)
             none = peak                            # measured (None: out of memory)
-        return self._plan_done(self._fewest_layers(n, none, limit, adam), limit, n)
+        return self._plan_done(self._fewest_layers(n, none, limit), limit, n)
 
-    def _plan_trial(self, layers: int | None, tokens: int, adam: int) -> int | None:
-        """_trial_peak with that many layers recomputing (None: as they are) + AdamW's state, agreed
-        over the ranks and recorded in memory_plan["trials"]; None: out of memory."""
+    def _plan_trial(self, layers: int | None, tokens: int) -> int | None:
+        """_trial_peak with that many layers recomputing (None: as they are), agreed over the ranks and recorded in memory_plan["trials"]; None: out of memory."""
         if layers is not None:
             self.recompute_activations(layers)
         peak = self.agreed_max([self._trial_peak(tokens)])[0]
-        peak = None if peak is None else peak + adam
         self.memory_plan["trials"].append([tokens, self.recomputed_layers,
                                            None if peak is None else round(peak / 2**30, 2)])
         return peak
 
-    def _fewest_layers(self, n: int, none: float | None, limit: float, adam: int) -> int | None:
+    def _fewest_layers(self, n: int, none: float | None, limit: float) -> int | None:
         """For an n-token micro-batch whose peak without recomputation (`none`; None: out of memory) is
         over the limit: a trial recomputing every layer, then the fewest layers on the line through
         the nearest trials that fit and that do not (the peak falls by about the same amount with each
@@ -534,7 +524,7 @@ class Trainer:
         most. Leaves that many layers recomputing; returns their peak (None when every layer does
         not fit either)."""
         layers = self.num_layers
-        hi, hi_peak = layers, self._plan_trial(layers, n, adam)   # the fewest layers known to fit
+        hi, hi_peak = layers, self._plan_trial(layers, n)   # the fewest layers known to fit
         if hi_peak is None or hi_peak > limit:
             return hi_peak
         lo, lo_peak = 0, none                               # the most known not to (None: out of memory)
@@ -548,7 +538,7 @@ class Trainer:
                 if k >= hi:
                     break
                 k = max(k, lo + 1)
-            peak = self._plan_trial(k, n, adam)
+            peak = self._plan_trial(k, n)
             if peak is not None and peak <= limit:
                 hi, hi_peak = k, peak
                 break
@@ -568,13 +558,12 @@ class Trainer:
                 "%.1f usable (trials [tokens, layers recomputed, GiB]: %s)", n, self.recomputed_layers, layers,
                 peak / 2**30, limit / 2**30, plan["trials"])
             return peak
-        adam = self.unallocated_optimizer_bytes()
         on = self.recomputes
-        need = "ran out of device memory" if peak is None else f"peaks at {(peak - adam) / 2**30:.1f} GiB"
+        need = "ran out of device memory" if peak is None else f"peaks at {peak / 2**30:.1f} GiB"
         raise MemoryError(f"one micro-batch of {n} tokens does not fit in training memory on "
                           f"{torch.cuda.get_device_name(self.device)} (activation checkpointing "
                           f"{'on, ' + str(self.recomputed_layers) + ' layers' if on else 'off'}): its "
-                          f"forward_backward {need}, AdamW's first step adds {adam / 2**30:.1f} GiB, and "
+                          f"forward_backward {need} (weights, gradients and AdamW's state included), and "
                           f"{limit / 2**30:.1f} GiB is usable. Levers: a lower micro_batch_tokens, "
                           + "; ".join([*self._memory_levers(), "more GPUs, or a smaller model"]))
 

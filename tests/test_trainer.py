@@ -126,7 +126,7 @@ def test_adamw_state_allocated_at_load_steps_as_the_state_its_first_step_creates
     from minirl.trainer import Trainer, TrainerConfig
     cfg = TrainerConfig(lr=1e-2, weight_decay=0.1, max_grad_norm=None)
     a, b = Trainer(tiny_model, cfg), Trainer(tiny_model, cfg)
-    assert not a.stepped and a.unallocated_optimizer_bytes() == 0
+    assert not a.stepped
     assert len(a.optimizer.state) == len(list(a.model.parameters()))
     for st in a.optimizer.state.values():
         assert float(st["step"]) == 0 and not st["exp_avg"].full_tensor().any() and not st["exp_avg_sq"].full_tensor().any()
@@ -187,13 +187,12 @@ def test_a_micro_batch_too_big_for_the_device_is_refused_with_its_numbers(traine
     gib = 2**30                         # measure_peak's verdict (CUDA), its device calls stood in for
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 10 * gib))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "a 10 GiB GPU")
-    monkeypatch.setattr(trainer, "_trial_peak", lambda n: 6 * gib)
+    monkeypatch.setattr(trainer, "_trial_peak", lambda n: 10 * gib)
     monkeypatch.setattr(trainer, "config", dataclasses.replace(trainer.config, activation_checkpointing=True))
-    monkeypatch.setattr(trainer, "unallocated_optimizer_bytes", lambda: 4 * gib)
-    with pytest.raises(MemoryError, match=r"peaks at 6.0 GiB, AdamW's first step adds 4.0 GiB, and 9.5 GiB "
-                                          r"is usable. Levers: a lower micro_batch_tokens, LoRA"):
+    with pytest.raises(MemoryError, match=r"peaks at 10.0 GiB \(weights, gradients and AdamW's state included\), "
+                                          r"and 9.5 GiB is usable. Levers: a lower micro_batch_tokens, LoRA"):
         trainer.measure_peak()
-    monkeypatch.setattr(trainer, "unallocated_optimizer_bytes", lambda: 3 * gib)
+    monkeypatch.setattr(trainer, "_trial_peak", lambda n: 9 * gib)
     assert trainer.measure_peak() == 9 * gib
     with pytest.raises(MemoryError, match=r"and 8.5 GiB is usable"):       # 1.5 GiB kept for what shares the device
         trainer.measure_peak(reserve=3 * gib // 2)
@@ -368,8 +367,7 @@ def test_a_micro_batch_that_does_not_fit_is_halved_before_recomputation(tiny_mod
     tr = Trainer(tiny_model, TrainerConfig(lr=1e-3))
     ckpt = lambda: bool(getattr(tr.model, "is_gradient_checkpointing", False))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
-    monkeypatch.setattr(tr, "_trial_peak", lambda n: int(2 * gib + n * per_token_mib * 2**20 / (4 if ckpt() else 1)))
-    monkeypatch.setattr(tr, "unallocated_optimizer_bytes", lambda: gib)
+    monkeypatch.setattr(tr, "_trial_peak", lambda n: int(2 * gib + n * per_token_mib * 2**20 / (4 if ckpt() else 1)) + gib)
     peak = tr.measure_peak(reserve=2 * gib)
     assert (tr.config.micro_batch_tokens, ckpt()) == expect
     n, on = expect
@@ -391,8 +389,7 @@ def test_the_fewest_layers_that_fit_are_recomputed(tmp_path, monkeypatch, bump_g
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
     peak = lambda n, k: 2 * gib + n * 2**20 * (1 - 0.75 * k / 8) + (bump_gib * gib if 0 < k < 8 else 0)
     tried = []
-    monkeypatch.setattr(tr, "_trial_peak", lambda n: tried.append((n, tr.recomputed_layers)) or int(peak(n, tr.recomputed_layers)))
-    monkeypatch.setattr(tr, "unallocated_optimizer_bytes", lambda: gib)
+    monkeypatch.setattr(tr, "_trial_peak", lambda n: tried.append((n, tr.recomputed_layers)) or int(peak(n, tr.recomputed_layers)) + gib)
     got = tr.measure_peak(reserve=2 * gib)
     assert (tr.config.micro_batch_tokens, tr.recomputed_layers) == (16384, layers)
     assert got == int(peak(16384, layers)) + gib <= 10 * gib
@@ -412,8 +409,7 @@ def test_a_full_trial_over_its_prediction_recomputes_the_fewest_layers_not_all(t
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
     peak = lambda n, k: 2 * gib + n * 0.4 * 2**20 * (1 - 0.75 * k / 8) + (3 * gib if (n, k) == (16384, 0) else 0)
     tried = []
-    monkeypatch.setattr(tr, "_trial_peak", lambda n: tried.append((n, tr.recomputed_layers)) or int(peak(n, tr.recomputed_layers)))
-    monkeypatch.setattr(tr, "unallocated_optimizer_bytes", lambda: gib)
+    monkeypatch.setattr(tr, "_trial_peak", lambda n: tried.append((n, tr.recomputed_layers)) or int(peak(n, tr.recomputed_layers)) + gib)
     got = tr.measure_peak(reserve=2 * gib)
     assert (tr.config.micro_batch_tokens, tr.recomputed_layers) == (16384, 3)
     assert got == int(peak(16384, 3)) + gib <= 10 * gib
@@ -432,8 +428,8 @@ def test_a_partial_trial_out_of_memory_halves_the_range(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
     peak = lambda n, k: None if (n == 16384 and k < 6) else int(2 * gib + n * 0.4 * 2**20 * (1 - 0.75 * k / 8))
     tried = []
-    monkeypatch.setattr(tr, "_trial_peak", lambda n: tried.append((n, tr.recomputed_layers)) or peak(n, tr.recomputed_layers))
-    monkeypatch.setattr(tr, "unallocated_optimizer_bytes", lambda: gib)
+    monkeypatch.setattr(tr, "_trial_peak", lambda n: tried.append((n, tr.recomputed_layers)) or (
+        None if peak(n, tr.recomputed_layers) is None else peak(n, tr.recomputed_layers) + gib))
     tr.measure_peak(reserve=2 * gib)
     assert tried == [(2048, 0), (4096, 0), (16384, 0), (16384, 8), (16384, 4), (16384, 6)]
     assert tr.recomputed_layers == 6
@@ -466,8 +462,7 @@ ckpt = lambda: bool(getattr(tr.model, "is_gradient_checkpointing", False))
 per_token = 0.25 if rank == 0 else 0.5                 # MiB: rank 1's trials peak higher
 torch.cuda.mem_get_info = lambda dev=None: ((60 if rank == 0 else 50) * gib, 140 * gib)
 torch.cuda.empty_cache = lambda: None
-tr._trial_peak = lambda n: int(2 * gib + n * per_token * 2**20 / (4 if ckpt() else 1))
-tr.unallocated_optimizer_bytes = lambda: gib
+tr._trial_peak = lambda n: int(2 * gib + n * per_token * 2**20 / (4 if ckpt() else 1)) + gib
 peak = tr.measure_peak(reserve=130 * gib)             # 10 GiB usable
 _fit_beside_sleeping_engine(tr, 40 * gib)              # + 14 GiB headroom: rank 0 fits in 60, rank 1 not in 50
 json.dump([tr.config.micro_batch_tokens, peak / gib, ckpt()], open({out!r} + f"/rank{{rank}}.json", "w"))
