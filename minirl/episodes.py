@@ -51,6 +51,7 @@ import asyncio
 import contextlib
 import gc
 import inspect
+import re
 import time
 from dataclasses import dataclass, field
 from itertools import count
@@ -249,6 +250,30 @@ def single_turn(reward_fn: Callable) -> EpisodeFn:
     return episode
 
 
+def _explain_generation_oom(e: Exception) -> MemoryError | None:
+    """torch's out-of-memory error in an engine step as a MemoryError that says what the device had
+    and which levers leave the step more room; None for any other error."""
+    import torch
+    if not isinstance(e, torch.OutOfMemoryError):
+        return None
+    asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(e))
+    have = ""
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        idle = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        have = (f": {free / 2**30:.2f} of {total / 2**30:.1f} GiB free, {idle / 2**30:.2f} GiB reserved by "
+                "PyTorch's allocator but unallocated")
+    return MemoryError(
+        f"generation ran out of device memory in an engine step"
+        f"{' asking for ' + asked.group(1) + ' more' if asked else ''}{have}. "
+        "The engine's KV cache and what shares the device (a co-located trainer's weights and AdamW state) "
+        "leave too little for the step's working memory. Levers: a smaller KV cache "
+        "(WeightManagerConfig.kv_cache_gib, launch --kv-cache-gib, or the engine's kv_cache_memory_bytes / "
+        "gpu_memory_utilization), fewer sequences at once (the engine's max_num_seqs; "
+        "launch: --prompts x --group-size), a shorter max_model_len, or LoRA "
+        "/ cpu_offload for the trainer.")
+
+
 class EpisodeRunner:
     """Runs many episodes at once on one vLLM engine (continuous batching). `llm`: a vllm.LLM
     (minirl's ManagedLLM or plain); `sampling`: SamplingParams kwargs for every turn (logprobs 0
@@ -348,7 +373,13 @@ class EpisodeRunner:
         """One engine step (new requests enter first); returns how many requests it finished."""
         self._admit()
         finished = 0
-        for out in self.vc.engine_step(self.llm):
+        try:
+            outs = self.vc.engine_step(self.llm)
+        except Exception as e:
+            if (oom := _explain_generation_oom(e)) is None:
+                raise
+            raise oom from e
+        for out in outs:
             if out.finished:
                 self._running.discard(out.request_id)
                 finished += 1

@@ -340,3 +340,23 @@ def test_recorded_steps_time_every_step_and_mark_prefill(wm, monkeypatch):
         llm.generate([vc.TokensPrompt(prompt_token_ids=[3, 4, 5])], vc.SamplingParams(max_tokens=2, ignore_eos=True),
                      use_tqdm=False)
     assert [(n, p) for _, n, p in steps] == [(3, True), (1, False)] and all(s > 0 for s, _, _ in steps)
+
+
+def test_generation_out_of_device_memory_names_the_levers_and_leaves_the_engine_clean(wm, monkeypatch):
+    """torch's out-of-memory error inside an engine step reaches the caller as a MemoryError that
+    names what was asked and the levers (KV cache, sequences at once); the episode's requests leave
+    the engine, which generates again once the step has memory."""
+    import torch
+    step = vc.engine_step
+
+    def oom(llm):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 150.00 MiB. GPU 0 has ...")
+    llm = wm.as_vllm()
+    monkeypatch.setattr(vc, "engine_step", oom)
+    with pytest.raises(MemoryError, match=r"generation ran out of device memory in an engine step asking for "
+                                          r"150.00 MiB more.*kv_cache_gib.*max_num_seqs") as e:
+        run_episodes(llm, single_turn(lambda p, c: 0.0), ["1+1="], seed=0, sampling={"max_tokens": 3})
+    assert isinstance(e.value.__cause__, torch.OutOfMemoryError)
+    assert not llm.llm_engine.has_unfinished_requests()
+    monkeypatch.setattr(vc, "engine_step", step)
+    assert len(run_episodes(llm, single_turn(lambda p, c: 0.0), ["1+1="], seed=0, sampling={"max_tokens": 3})[0]) == 1
