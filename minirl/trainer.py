@@ -462,7 +462,8 @@ class Trainer:
             p.grad = torch.zeros_like(p)
         for g in self.optimizer.param_groups:
             g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
-        self.optimizer.step()
+        with self._explain_oom("allocating AdamW's state at load"):
+            self.optimizer.step()
         for g, lr in zip(self.optimizer.param_groups, lrs):
             g["lr"] = lr
         for st in self.optimizer.state.values():
@@ -473,13 +474,13 @@ class Trainer:
 
     def measure_peak(self, reserve: int = 0) -> int:
         """Bytes allocated (CUDA) at the peak of one forward_backward over a full micro-batch of
-        random tokens, weights, gradients and AdamW's state (allocated at load) included. With activation_checkpointing
-        None, recomputes the fewest decoder layers that make that micro-batch fit: two small trials
-        (1/8 and 1/4 of it) predict the full one's peak without recomputation (activations grow
-        linearly in tokens), so a micro-batch far too big is never run (its failed attempt would
-        fill the device); when half of it would fit, micro_batch_tokens is halved instead (a
-        warning says so); else, or when the full micro-batch did not fit after all, the fewest
-        layers (_fewest_layers). Usable: 95% of the device, or all of it but `reserve` bytes when
+        random tokens, weights, gradients and AdamW's state (allocated at load) included. With
+        activation_checkpointing None, recomputes the fewest decoder layers that make that
+        micro-batch fit: two small trials (1/8 and 1/4 of it) predict the full one's peak without
+        recomputation (activations grow linearly in tokens), so a micro-batch far too big is never
+        run (its failed attempt would fill the device); when half of it would fit,
+        micro_batch_tokens is halved instead (a warning says so); else, or when the full
+        micro-batch did not fit after all, the fewest layers (_fewest_layers). Usable: 95% of the device, or all of it but `reserve` bytes when
         given (what shares it, e.g. a sleeping engine, and headroom). The trials and the verdict are
         in self.memory_plan and logged. Leaves no gradients behind; MemoryError when it does not fit."""
         n = self.config.micro_batch_tokens
@@ -508,7 +509,8 @@ class Trainer:
         return self._plan_done(self._fewest_layers(n, none, limit), limit, n)
 
     def _plan_trial(self, layers: int | None, tokens: int) -> int | None:
-        """_trial_peak with that many layers recomputing (None: as they are), agreed over the ranks and recorded in memory_plan["trials"]; None: out of memory."""
+        """_trial_peak with that many layers recomputing (None: as they are), agreed over the ranks
+        and recorded in memory_plan["trials"]; None: out of memory."""
         if layers is not None:
             self.recompute_activations(layers)
         peak = self.agreed_max([self._trial_peak(tokens)])[0]
