@@ -145,14 +145,14 @@ def _record_engine_steps(mod) -> list[dict]:
                 out = real(llm, *a, **kw)
         finally:
             gc.callbacks.remove(collecting)
-        tokens = [n for _, n, _ in steps if n]
+        tokens, now = [n for _, n, _ in steps if n], allocator()
         calls.append({"engine_steps": len(steps), "engine_step_ms": 1e3 * sum(t for t, _, _ in steps) / max(len(steps), 1),
                       "engine_s": sum(t for t, _, _ in steps), "max_batch_tokens": max(tokens, default=0),
                       "prefill_steps": sum(bool(p) for _, _, p in steps), "rollout_wall_s": time.perf_counter() - wall,
                       "rollout_cpu_s": time.thread_time() - cpu, "gc_s": in_gc[0], "gc_full": in_gc[2],
                       "gc_frozen": gc.get_freeze_count(), "process_cpu_s": time.process_time() - every,
-                      "loadavg_1m": os.getloadavg()[0], "alloc_retries": allocator()[0] - retries,
-                      "device_allocs": allocator()[1] - allocs})
+                      "loadavg_1m": os.getloadavg()[0], "alloc_retries": now[0] - retries,
+                      "device_allocs": now[1] - allocs})
         return out
     mod.run_episodes = run_episodes
     return calls

@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Awaitable, Callable, Sequence
 
+import torch
+
 from minirl.data import Rollout, RolloutBatch, _check_reward
 
 
@@ -250,12 +252,9 @@ def single_turn(reward_fn: Callable) -> EpisodeFn:
     return episode
 
 
-def _explain_generation_oom(e: Exception) -> MemoryError | None:
+def _explain_generation_oom(e: torch.OutOfMemoryError) -> MemoryError:
     """torch's out-of-memory error in an engine step as a MemoryError that says what the device had
-    and which levers leave the step more room; None for any other error."""
-    import torch
-    if not isinstance(e, torch.OutOfMemoryError):
-        return None
+    and which levers leave the step more room."""
     asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(e))
     have = ""
     if torch.cuda.is_available():
@@ -375,10 +374,8 @@ class EpisodeRunner:
         finished = 0
         try:
             outs = self.vc.engine_step(self.llm)
-        except Exception as e:
-            if (oom := _explain_generation_oom(e)) is None:
-                raise
-            raise oom from e
+        except torch.OutOfMemoryError as e:
+            raise _explain_generation_oom(e) from e
         for out in outs:
             if out.finished:
                 self._running.discard(out.request_id)
