@@ -86,7 +86,7 @@ def run_minirl(args, model: str) -> dict:
     real_close = mod.WeightManager.close
 
     def close(wm):                                        # what the memory plan chose, for the record
-        seen.update(sleep_level=wm.sleep_level, micro_batch_tokens=wm.trainer.config.micro_batch_tokens,
+        seen.update(sleep_level=wm.sleep_level, offload_optimizer=wm.offload_optimizer, micro_batch_tokens=wm.trainer.config.micro_batch_tokens,
                     activation_checkpointing=wm.trainer.recomputes, recomputed_layers=wm.trainer.recomputed_layers,
                     layers=wm.trainer.num_layers, memory_plan=wm.trainer.memory_plan)
         return real_close(wm)
@@ -100,7 +100,7 @@ def run_minirl(args, model: str) -> dict:
     starts = [t0] + [r["time"] for r in rows[:-1]]
     steps = []
     for r, start in zip(rows, starts):
-        sync = sum(r.get(f"sync/{k}", 0.0) for k in ("wake_s", "sync_s", "verify_s", "sleep_s"))
+        sync = sum(r.get(f"sync/{k}", 0.0) for k in ("wake_s", "sync_s", "verify_s", "sleep_s", "offload_s"))
         n = args.prompts * args.group_size
         steps.append({"step_s": r["time"] - start, "sync_s": sync, "generate_s": r["time/rollouts"] - sync,
                       "train_s": r["time/train"], "generated_tokens": r["len/completion"] * n,

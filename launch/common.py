@@ -84,6 +84,8 @@ def parse_args(doc: str, run_dir: str, argv=None):
     add("--sleep-level", type=int, default=None, choices=[0, 2],
         help="(co-located, CUDA) 2: the engine sleeps while training (default); 0: resident")
     add("--kv-cache-gib", type=float, default=None, help="(co-located) default: planned")
+    add("--offload-optimizer", default="auto", choices=["auto", "on", "off"],
+        help="(co-located, CUDA) AdamW's state on the host while generating; auto: when the KV cache needs it")
     add("--gpu-memory-utilization", type=float, default=None, help="(co-located) vLLM's own, not the plan")
     add("--ray", type=int, default=0, metavar="N", help="(co-located) run on N Ray actors (SPMD)")
     add("--role", default="both", choices=["both", "server", "trainer"], help="(async) this job's side")
@@ -144,7 +146,8 @@ def manager_config(args):
     from minirl.colocated import WeightManagerConfig
     return WeightManagerConfig(trainer=trainer_config(args), sync_weights=not args.no_sync,
                                verify_sync=not args.no_verify, sleep_level=args.sleep_level,
-                               kv_cache_gib=args.kv_cache_gib)
+                               kv_cache_gib=args.kv_cache_gib,
+                               offload_optimizer={"auto": None, "on": True, "off": False}[args.offload_optimizer])
 
 
 def json_object(text: str) -> dict:

@@ -22,6 +22,7 @@ log-probs of each packed micro-batch reach loss_fn as `batch.ref_logprobs` (for 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -308,6 +309,9 @@ class Trainer:
         """What measure_peak tried and chose (CUDA): usable and AdamW GiB, trials, verdict."""
         self.stepped = False
         """True when the optimizer stepped since the last publish()."""
+        self._state_host: list[tuple[torch.Tensor, torch.Tensor]] | None = None   # (device, host) pairs
+        self._state_where = "device"      # "device", "to_host" (copies in flight) or "host"
+        self._state_ready: torch.cuda.Event | None = None   # the copies back, for the next step
 
     # -- the step verbs ---------------------------------------------------------------------------
 
@@ -382,6 +386,7 @@ class Trainer:
 
     def optim_step(self) -> dict[str, float]:
         """Clip the gradient norm, refuse a non-finite one, step AdamW, free the gradients."""
+        self._optimizer_state_here()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                               self.config.max_grad_norm or float("inf"))
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -471,6 +476,89 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of AdamW's state on this rank (moments and step counts)."""
+        return sum(_local(t).numel() * t.element_size() for st in self.optimizer.state.values()
+                   for t in st.values() if torch.is_tensor(t))
+
+    def optimizer_to_host(self, *, wait: bool = True) -> None:
+        """Copy AdamW's state into host buffers (pinned on CUDA, made at the first call), then free
+        its device memory: the tensors stay, holding no storage, so a co-located engine can use
+        that memory while it generates. On CUDA the copies run on a side stream; wait=False returns
+        at once (the device is freed by the next call, or optimizer_to_device()). The verbs that
+        read the state (optim_step, checkpoints) bring it back themselves."""
+        if self._state_where == "to_host" and wait:
+            if self._copy_stream is not None:
+                self._copy_stream.synchronize()
+            for t, _ in self._state_host:
+                t.untyped_storage().resize_(0)
+            self._state_where = "host"
+        if self._state_where != "device":
+            return
+        if self._state_host is None:
+            self._state_host = self._host_buffers()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))   # the last step wrote it
+        with torch.cuda.stream(self._copy_stream) if cuda else contextlib.nullcontext():
+            for t, h in self._state_host:
+                h.copy_(t, non_blocking=cuda)
+        self._state_where = "to_host"
+        if wait or not cuda:
+            self.optimizer_to_host()
+
+    def optimizer_to_device(self) -> None:
+        """Bring AdamW's state back from optimizer_to_host(): its device memory is allocated now
+        (before a training step's activations, so in segments of its own), the copies run on a side
+        stream beside the step's forward and backward, and optim_step waits for them."""
+        if self._state_where == "to_host":
+            self.optimizer_to_host()
+        if self._state_where != "host":
+            return
+        cuda = self.device.type == "cuda"
+        for t, h in self._state_host:
+            t.untyped_storage().resize_(h.numel() * h.element_size())
+        if cuda:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream) if cuda else contextlib.nullcontext():
+            for t, h in self._state_host:
+                t.copy_(h, non_blocking=cuda)
+            self._state_ready = self._copy_stream.record_event() if cuda else None
+        self._state_where = "device"
+
+    def _optimizer_state_here(self) -> None:
+        """AdamW's state on the device, its copies back finished for this stream."""
+        self.optimizer_to_device()
+        if self._state_ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._state_ready)
+            self._state_ready = None
+
+    @functools.cached_property
+    def _copy_stream(self):
+        return torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def _host_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device tensor, host view) for each tensor of AdamW's state on the device, the views in
+        one host buffer (one pinned allocation: PyTorch's pinned allocator rounds each one up to a
+        power of two). A state tensor that is a view of a larger storage cannot be freed alone."""
+        pairs, offsets, total = [], [], 0
+        for st in self.optimizer.state.values():
+            for v in st.values():
+                t = _local(v) if torch.is_tensor(v) else None
+                if t is None or t.device.type != self.device.type or t.numel() == 0:
+                    continue
+                nbytes = t.numel() * t.element_size()
+                if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != nbytes:
+                    raise RuntimeError("AdamW's state holds a view of a larger tensor; it cannot be moved "
+                                       "to the host alone: run without offload_optimizer")
+                pairs.append(t)
+                offsets.append(total)
+                total += -(-nbytes // 64) * 64
+        buf = torch.empty(total, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        return [(t, buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+                for t, o in zip(pairs, offsets)]
 
     def measure_peak(self, reserve: int = 0) -> int:
         """Bytes allocated (CUDA) at the peak of one forward_backward over a full micro-batch of
@@ -682,6 +770,7 @@ class Trainer:
         """ckpt.save(...) of model, optimizer, RNG, the policy version (weights stepped since the
         last publish are the next version's) and `state` (JSON). Collective. Returns the path."""
         state = {"policy_version": self.policy_version + int(self.stepped), **(state or {})}
+        self._optimizer_state_here()
         hf = None if not export_hf else self.path if self.config.lora is None else self.export_hf
         return ckpt.save(step, self.model, self.optimizer, state=state, compat=self.compat(),
                          objects=objects, hf_from=hf)
@@ -704,6 +793,7 @@ class Trainer:
     def load_checkpoint(self, ckpt, path=None) -> dict:
         """Restore model, optimizer, RNG and policy version (the latest checkpoint by default).
         Raises CheckpointError if it was made with another model, tokenizer or precision."""
+        self._optimizer_state_here()
         out = ckpt.load(self.model, self.optimizer, path=path, compat=self.compat())
         self.policy_version, self.stepped = out["state"]["policy_version"], False
         self.optimizer.zero_grad(set_to_none=True)

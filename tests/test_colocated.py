@@ -301,15 +301,20 @@ def test_gather_during_forward_is_the_full_gather(tiny_model, wm, ckpt):
     assert torch.equal(gather_during_forward(m, lambda: m(ids).logits, lambda b: None), expected)
 
 
-@pytest.mark.parametrize("sleep_level, want, level, kv_gib", [(None, 30, 2, 30.0), (0, 50, 0, 40.04)])
-def test_the_memory_plan_puts_the_engine_to_sleep_unless_told_to_keep_it(monkeypatch, sleep_level, want, level, kv_gib):
+@pytest.mark.parametrize("sleep_level, want, offload, level, kv_gib, offloaded", [
+    (None, 30, None, 2, 30.0, False), (0, 50, None, 0, 40.04, False),
+    (None, 85, None, 2, 85.0, True), (None, 85, False, 2, 79.04, False)])
+def test_the_memory_plan_puts_the_engine_to_sleep_unless_told_to_keep_it(monkeypatch, sleep_level, want, offload,
+                                                                       level, kv_gib, offloaded):
     """The plan's arithmetic on a stood-in 100 GiB device, 1B parameters (bf16 engine: 1.96 GiB of
     weights + 4 GiB working memory), trainer weights 4 GiB and AdamW 8 GiB (12 allocated at load),
     a measured step peaking 44 GiB (32 above them), 10 GiB headroom, 3 GiB margin, 88 GiB free. By
     default the engine sleeps while training, even when it would fit beside the step's peak (a 30
     GiB KV cache would): the training step gets its memory. Resident (sleep_level=0) the KV cache
     has to fit beside the step's peak: 88 - 10 - 32 - 5.96 = 40.04 GiB, and a 50 GiB want is cut to
-    that."""
+    that. A KV cache that would leave less than the headroom free beside the weights and AdamW (85
+    GiB > 88 - 10 - 5.96) sends AdamW's state to the host while generating, which frees its 8 GiB:
+    the 85 GiB fit (96 - 3 - 5.96 = 87.04); told not to, the cache is cut to 79.04 GiB."""
     import types
 
     from minirl.colocated import GIB, WeightManagerConfig, _memory_plan
@@ -319,12 +324,15 @@ def test_the_memory_plan_puts_the_engine_to_sleep_unless_told_to_keep_it(monkeyp
     model = types.SimpleNamespace(config=cfg, parameters=lambda: [types.SimpleNamespace(numel=lambda: n_params)])
     trainer = types.SimpleNamespace(model=model, rank=types.SimpleNamespace(world_size=1),
                                     device=torch.device("cuda"), compute_dtype=torch.bfloat16,
-                                    measure_peak=lambda reserve: 44 * GIB)
+                                    measure_peak=lambda reserve: 44 * GIB, optimizer_state_bytes=8 * GIB,
+                                    agreed_max=lambda v: v)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (88 * GIB, 100 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 12 * GIB)
-    got_level, kw, need = _memory_plan(trainer, {"max_num_seqs": want, "max_model_len": 1},
-                                       WeightManagerConfig(sleep_level=sleep_level))
-    assert got_level == level and need == 32 * GIB
+    got_level, kw, need, got_offload = _memory_plan(trainer, {"max_num_seqs": want, "max_model_len": 1},
+                                                    WeightManagerConfig(sleep_level=sleep_level,
+                                                                        offload_optimizer=offload))
+    assert got_level == level and need == 32 * GIB and got_offload == offloaded
     engine = n_params * 2 * 1.05 + 4 * GIB
-    beside = (88 - 3) * GIB - engine if level else (88 - 10 - 32) * GIB - engine
+    free = (88 + 8 * offloaded) * GIB
+    beside = free - 3 * GIB - engine if level else free - (10 + 32) * GIB - engine
     assert kw["kv_cache_memory_bytes"] == int(min(want * GIB, beside)) and abs(kw["kv_cache_memory_bytes"] / GIB - kv_gib) < 0.05

@@ -15,6 +15,7 @@ from conftest import run_py
 from minirl import Rollout, clipped_policy_loss, collate, entropy_from_logits, get_logprobs, pack, ppo_loss_fn
 from minirl.core import masked_mean
 from minirl.data import split_by_tokens
+from minirl.trainer import _local
 
 
 def _rollouts(n=5, seed=0):
@@ -140,6 +141,38 @@ def test_adamw_state_allocated_at_load_steps_as_the_state_its_first_step_creates
             q.grad = torch.distributed.tensor.distribute_tensor(grad.clone(), q.device_mesh, q.placements)
         a.optim_step(), b.optim_step()
     assert a.stepped
+    assert all(torch.equal(p.full_tensor(), q.full_tensor()) for p, q in zip(a.model.parameters(), b.model.parameters()))
+
+
+def test_optimizer_state_to_host_frees_it_and_steps_as_if_it_had_stayed(tiny_model):
+    """AdamW's state moved to the host holds no storage where it lived (what a co-located engine
+    then uses), comes back bit for bit, and the steps after each round trip give exactly the
+    weights of a trainer whose state never moved (a moment lost, zeroed or mixed up would
+    differ); optim_step brings it back by itself."""
+    from minirl.trainer import Trainer, TrainerConfig
+    cfg = TrainerConfig(lr=1e-2, weight_decay=0.1, max_grad_norm=None)
+    a, b = Trainer(tiny_model, cfg), Trainer(tiny_model, cfg)
+    assert a.optimizer_state_bytes == sum(2 * _local(p).numel() * 4 + 4 for p in a.model.parameters())
+    g = torch.Generator().manual_seed(0)
+    for i in range(3):
+        for p, q in zip(a.model.parameters(), b.model.parameters()):
+            grad = torch.randn(p.full_tensor().shape, generator=g)
+            p.grad = torch.distributed.tensor.distribute_tensor(grad, p.device_mesh, p.placements)
+            q.grad = torch.distributed.tensor.distribute_tensor(grad.clone(), q.device_mesh, q.placements)
+        a.optim_step(), b.optim_step()
+        before = [_local(t).clone() for st in a.optimizer.state.values() for t in st.values()]
+        a.optimizer_to_host(wait=i != 1)
+        a.optimizer_to_host()                               # the second call finishes (or is a no-op)
+        state = [_local(t) for st in a.optimizer.state.values() for t in st.values()]
+        assert all(t.untyped_storage().nbytes() == 0 for t in state)
+        if i != 2:                                          # the last round: optim_step brings it back
+            a.optimizer_to_device()
+            assert all(torch.equal(t, u) for t, u in zip(state, before))
+    assert all(torch.equal(p.full_tensor(), q.full_tensor()) for p, q in zip(a.model.parameters(), b.model.parameters()))
+    for p, q in zip(a.model.parameters(), b.model.parameters()):
+        p.grad = torch.distributed.tensor.distribute_tensor(torch.ones(p.full_tensor().shape), p.device_mesh, p.placements)
+        q.grad = torch.distributed.tensor.distribute_tensor(torch.ones(p.full_tensor().shape), q.device_mesh, q.placements)
+    a.optim_step(), b.optim_step()
     assert all(torch.equal(p.full_tensor(), q.full_tensor()) for p, q in zip(a.model.parameters(), b.model.parameters()))
 
 

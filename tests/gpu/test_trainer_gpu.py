@@ -99,3 +99,33 @@ def _record(name: str, seen: dict) -> None:
         out = Path(os.environ["MINIRL_RESULTS_DIR"])
         out.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(json.dumps(seen, indent=1))
+
+
+def test_optimizer_state_to_host_frees_the_device_and_steps_unchanged(tmp_path):
+    """On CUDA (fused AdamW, pinned host buffer, side-stream copies): moving AdamW's state to the
+    host frees its device memory, bringing it back overlaps a forward and backward, and the step
+    after each round trip gives exactly the weights of a trainer whose state stayed."""
+    from minirl import ppo_loss_fn
+    from minirl.tiny import build_tiny_model
+    from minirl.trainer import Trainer, TrainerConfig
+    from test_trainer import _rollouts
+    model = str(build_tiny_model(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2))
+    cfg = TrainerConfig(lr=1e-3, max_grad_norm=None)
+    a, b = Trainer(model, cfg), Trainer(model, cfg)
+    rs, seen = _rollouts(8), {}
+    for i in range(3):
+        before = torch.cuda.memory_allocated()
+        a.optimizer_to_host(wait=i == 0)
+        a.optimizer_to_host()
+        seen.setdefault("freed", []).append(before - torch.cuda.memory_allocated())
+        assert before - torch.cuda.memory_allocated() >= a.optimizer_state_bytes
+        a.optimizer_to_device()
+        for t in (a, b):
+            t.forward_backward(rs, ppo_loss_fn(entropy=False))
+            t.optim_step()
+        assert all(torch.equal(p.full_tensor(), q.full_tensor()) for p, q in zip(a.model.parameters(), b.model.parameters()))
+    seen["state_bytes"] = a.optimizer_state_bytes
+    if os.environ.get("MINIRL_RESULTS_DIR"):
+        out = Path(os.environ["MINIRL_RESULTS_DIR"]) / "optimizer_offload.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(seen))
