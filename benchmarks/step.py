@@ -86,7 +86,8 @@ def run_minirl(args, model: str) -> dict:
     real_close = mod.WeightManager.close
 
     def close(wm):                                        # what the memory plan chose, for the record
-        seen.update(sleep_level=wm.sleep_level, offload_optimizer=wm.offload_optimizer, micro_batch_tokens=wm.trainer.config.micro_batch_tokens,
+        seen.update(sleep_level=wm.sleep_level, offload_optimizer=wm.offload_optimizer,
+                    micro_batch_tokens=wm.trainer.config.micro_batch_tokens,
                     activation_checkpointing=wm.trainer.recomputes, recomputed_layers=wm.trainer.recomputed_layers,
                     layers=wm.trainer.num_layers, memory_plan=wm.trainer.memory_plan)
         return real_close(wm)
