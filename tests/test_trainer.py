@@ -118,6 +118,19 @@ def test_logged_entropy_is_the_sampling_distributions(trainer):
     assert seen and all(e is None for e in seen)
 
 
+def _step_both(a, b, g: torch.Generator) -> None:
+    """One optimizer step of trainers a and b on the same random gradients."""
+    for p, q in zip(a.model.parameters(), b.model.parameters()):
+        grad = torch.randn(p.full_tensor().shape, generator=g)
+        p.grad = torch.distributed.tensor.distribute_tensor(grad, p.device_mesh, p.placements)
+        q.grad = torch.distributed.tensor.distribute_tensor(grad.clone(), q.device_mesh, q.placements)
+    a.optim_step(), b.optim_step()
+
+
+def _same_weights(a, b) -> bool:
+    return all(torch.equal(p.full_tensor(), q.full_tensor()) for p, q in zip(a.model.parameters(), b.model.parameters()))
+
+
 def test_adamw_state_allocated_at_load_steps_as_the_state_its_first_step_creates(tiny_model):
     """The Trainer allocates AdamW's moments when it loads (so they lie apart from the step's
     activations on a GPU): zero moments, step count 0, weights as loaded, no step counted. Two steps
@@ -131,17 +144,13 @@ def test_adamw_state_allocated_at_load_steps_as_the_state_its_first_step_creates
     assert len(a.optimizer.state) == len(list(a.model.parameters()))
     for st in a.optimizer.state.values():
         assert float(st["step"]) == 0 and not st["exp_avg"].full_tensor().any() and not st["exp_avg_sq"].full_tensor().any()
-    assert all(torch.equal(p.full_tensor(), q.full_tensor()) for p, q in zip(a.model.parameters(), b.model.parameters()))
+    assert _same_weights(a, b)
     b.optimizer.state.clear()                       # b: AdamW creates its state at the first step
     g = torch.Generator().manual_seed(0)
     for _ in range(2):
-        for p, q in zip(a.model.parameters(), b.model.parameters()):
-            grad = torch.randn(p.full_tensor().shape, generator=g)
-            p.grad = torch.distributed.tensor.distribute_tensor(grad, p.device_mesh, p.placements)
-            q.grad = torch.distributed.tensor.distribute_tensor(grad.clone(), q.device_mesh, q.placements)
-        a.optim_step(), b.optim_step()
+        _step_both(a, b, g)
     assert a.stepped
-    assert all(torch.equal(p.full_tensor(), q.full_tensor()) for p, q in zip(a.model.parameters(), b.model.parameters()))
+    assert _same_weights(a, b)
 
 
 def test_optimizer_state_to_host_frees_it_and_steps_as_if_it_had_stayed(tiny_model):
@@ -155,11 +164,7 @@ def test_optimizer_state_to_host_frees_it_and_steps_as_if_it_had_stayed(tiny_mod
     assert a.optimizer_state_bytes == sum(2 * _local(p).numel() * 4 + 4 for p in a.model.parameters())
     g = torch.Generator().manual_seed(0)
     for i in range(3):
-        for p, q in zip(a.model.parameters(), b.model.parameters()):
-            grad = torch.randn(p.full_tensor().shape, generator=g)
-            p.grad = torch.distributed.tensor.distribute_tensor(grad, p.device_mesh, p.placements)
-            q.grad = torch.distributed.tensor.distribute_tensor(grad.clone(), q.device_mesh, q.placements)
-        a.optim_step(), b.optim_step()
+        _step_both(a, b, g)
         before = [_local(t).clone() for st in a.optimizer.state.values() for t in st.values()]
         a.optimizer_to_host(wait=i != 1)
         a.optimizer_to_host()                               # the second call finishes (or is a no-op)
@@ -168,12 +173,9 @@ def test_optimizer_state_to_host_frees_it_and_steps_as_if_it_had_stayed(tiny_mod
         if i != 2:                                          # the last round: optim_step brings it back
             a.optimizer_to_device()
             assert all(torch.equal(t, u) for t, u in zip(state, before))
-    assert all(torch.equal(p.full_tensor(), q.full_tensor()) for p, q in zip(a.model.parameters(), b.model.parameters()))
-    for p, q in zip(a.model.parameters(), b.model.parameters()):
-        p.grad = torch.distributed.tensor.distribute_tensor(torch.ones(p.full_tensor().shape), p.device_mesh, p.placements)
-        q.grad = torch.distributed.tensor.distribute_tensor(torch.ones(p.full_tensor().shape), q.device_mesh, q.placements)
-    a.optim_step(), b.optim_step()
-    assert all(torch.equal(p.full_tensor(), q.full_tensor()) for p, q in zip(a.model.parameters(), b.model.parameters()))
+    assert _same_weights(a, b)
+    _step_both(a, b, g)
+    assert _same_weights(a, b)
 
 
 def test_non_finite_gradient_is_refused(trainer):
