@@ -428,12 +428,13 @@ def _memory_plan(trainer: Trainer, kw: dict, cfg: WeightManagerConfig) -> tuple[
     engine = n_params * dsize * 1.05 + 4 * GIB          # weights, activations, graphs, sampler
     want = (cfg.kv_cache_gib * GIB if cfg.kv_cache_gib is not None
             else kw.get("max_num_seqs", 256) * max_len * per_token)
-    offload = cfg.offload_optimizer
-    if offload is None:                # the KV cache wanted would leave less than the headroom free
+    offload = bool(cfg.offload_optimizer)
+    if cfg.offload_optimizer is None and not user_sized:   # the KV cache wanted would leave too little free
         import psutil
         state = trainer.optimizer_state_bytes
         host = psutil.virtual_memory().available / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        offload = level == 2 and want > free - headroom - engine and host > 1.5 * state + 4 * GIB
+        offload = (level == 2 and state > 0 and want > free - headroom - engine
+                   and host > 1.5 * state + 4 * GIB)
         offload = bool(trainer.agreed_max([int(offload)])[0])     # every rank decides alike
     if offload:
         free += trainer.optimizer_state_bytes
@@ -443,11 +444,12 @@ def _memory_plan(trainer: Trainer, kw: dict, cfg: WeightManagerConfig) -> tuple[
         return level, {}, peak - now, offload
     kv = min(want, beside_peak if level == 0 else beside_weights)
     if kv < 2 * max_len * per_token:
-        lever = ("sleep_level=2 (or leave it unset), " if level == 0 else "")
+        lever = ("sleep_level=2 (or leave it unset), " if level == 0 else
+                 "" if offload else "offload_optimizer=True (AdamW's state on the host while generating), ")
         raise MemoryError(
             f"trainer and engine do not fit on {torch.cuda.get_device_name(trainer.device)}: training "
             f"{n_params / 1e9:.2f}B parameters over {world} GPU(s) peaks at {peak / GIB:.1f} GiB and keeps "
-            f"{now / GIB:.1f} GiB while generating; the engine needs {engine / GIB:.1f} GiB plus a KV "
+            f"{(now - offload * trainer.optimizer_state_bytes) / GIB:.1f} GiB while generating; the engine needs {engine / GIB:.1f} GiB plus a KV "
             f"cache of at least {2 * max_len * per_token / GIB:.2f} GiB (two {max_len}-token sequences), and "
             f"{free / GIB:.1f} of {total / GIB:.1f} GiB is free. Levers: {lever}a smaller "
             "micro_batch_tokens or activation_checkpointing=True, a shorter max_model_len, more GPUs, or a "

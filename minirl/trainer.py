@@ -479,9 +479,10 @@ class Trainer:
 
     @property
     def optimizer_state_bytes(self) -> int:
-        """Bytes of AdamW's state on this rank (moments and step counts)."""
+        """Bytes of AdamW's state on this rank's device (moments and step counts; none with
+        cpu_offload): what optimizer_to_host() frees there."""
         return sum(_local(t).numel() * t.element_size() for st in self.optimizer.state.values()
-                   for t in st.values() if torch.is_tensor(t))
+                   for t in st.values() if torch.is_tensor(t) and t.device.type == self.device.type)
 
     def optimizer_to_host(self, *, wait: bool = True) -> None:
         """Copy AdamW's state into host buffers (pinned on CUDA, made at the first call), then free

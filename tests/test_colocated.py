@@ -315,24 +315,50 @@ def test_the_memory_plan_puts_the_engine_to_sleep_unless_told_to_keep_it(monkeyp
     that. A KV cache that would leave less than the headroom free beside the weights and AdamW (85
     GiB > 88 - 10 - 5.96) sends AdamW's state to the host while generating, which frees its 8 GiB:
     the 85 GiB fit (96 - 3 - 5.96 = 87.04); told not to, the cache is cut to 79.04 GiB."""
-    import types
-
-    from minirl.colocated import GIB, WeightManagerConfig, _memory_plan
-    cfg = types.SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, head_dim=GIB // 4,
-                                max_position_embeddings=10)      # 1 GiB of KV cache a token (bf16)
+    from minirl.colocated import GIB
     n_params = 10**9
-    model = types.SimpleNamespace(config=cfg, parameters=lambda: [types.SimpleNamespace(numel=lambda: n_params)])
-    trainer = types.SimpleNamespace(model=model, rank=types.SimpleNamespace(world_size=1),
-                                    device=torch.device("cuda"), compute_dtype=torch.bfloat16,
-                                    measure_peak=lambda reserve: 44 * GIB, optimizer_state_bytes=8 * GIB,
-                                    agreed_max=lambda v: v)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (88 * GIB, 100 * GIB))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 12 * GIB)
-    got_level, kw, need, got_offload = _memory_plan(trainer, {"max_num_seqs": want, "max_model_len": 1},
-                                                    WeightManagerConfig(sleep_level=sleep_level,
-                                                                        offload_optimizer=offload))
+    got_level, kw, need, got_offload = _stood_in_plan(monkeypatch, 88, want, sleep_level=sleep_level,
+                                                      offload_optimizer=offload)
     assert got_level == level and need == 32 * GIB and got_offload == offloaded
     engine = n_params * 2 * 1.05 + 4 * GIB
     free = (88 + 8 * offloaded) * GIB
     beside = free - 3 * GIB - engine if level else free - (10 + 32) * GIB - engine
     assert kw["kv_cache_memory_bytes"] == int(min(want * GIB, beside)) and abs(kw["kv_cache_memory_bytes"] / GIB - kv_gib) < 0.05
+
+
+@pytest.mark.parametrize("offload, host_gib", [(None, 64), (False, 64), (None, 15)])
+def test_the_memory_plan_sends_adamw_to_the_host_when_only_that_fits_the_engine(monkeypatch, offload, host_gib):
+    """The stood-in device above with 8 GiB free beside the trainer: the engine (5.96 GiB) and a
+    KV cache of two 1 GiB tokens do not fit with the 3 GiB margin, but do once AdamW's 8 GiB go
+    to the host (16 - 3 - 5.96 = 7.04 GiB of cache). Told not to, or with less host memory than
+    1.5x the state + 4 GiB, the plan raises and names that lever."""
+    from minirl.colocated import GIB
+    if offload is None and host_gib > 16:
+        level, kw, _, got = _stood_in_plan(monkeypatch, 8, 30, host_gib=host_gib, offload_optimizer=offload)
+        assert got and abs(kw["kv_cache_memory_bytes"] / GIB - 7.04) < 0.05
+        return
+    with pytest.raises(MemoryError, match=r"keeps 12.0 GiB while generating.*offload_optimizer=True"):
+        _stood_in_plan(monkeypatch, 8, 30, host_gib=host_gib, offload_optimizer=offload)
+
+
+def _stood_in_plan(monkeypatch, free_gib: float, want: int, *, host_gib: float = 64, **cfg):
+    """_memory_plan on a stood-in 100 GiB device and trainer: 1B parameters, 12 GiB allocated (4 of
+    weights, 8 of AdamW's state), a step peaking at 44 GiB, 1 GiB of KV cache a token, `want`
+    sequences of one token, `free_gib` free, `host_gib` of host memory available."""
+    import types
+
+    import psutil
+
+    from minirl.colocated import GIB, WeightManagerConfig, _memory_plan
+    mc = types.SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, head_dim=GIB // 4,
+                               max_position_embeddings=10)      # 1 GiB of KV cache a token (bf16)
+    model = types.SimpleNamespace(config=mc, parameters=lambda: [types.SimpleNamespace(numel=lambda: 10**9)])
+    trainer = types.SimpleNamespace(model=model, rank=types.SimpleNamespace(world_size=1),
+                                    device=torch.device("cuda"), compute_dtype=torch.bfloat16,
+                                    measure_peak=lambda reserve: 44 * GIB, optimizer_state_bytes=8 * GIB,
+                                    agreed_max=lambda v: v)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (int(free_gib * GIB), 100 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 12 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "a stood-in GPU")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=host_gib * GIB))
+    return _memory_plan(trainer, {"max_num_seqs": want, "max_model_len": 1}, WeightManagerConfig(**cfg))
