@@ -796,6 +796,7 @@ class Trainer:
         Raises CheckpointError if it was made with another model, tokenizer or precision."""
         self._optimizer_state_here()
         out = ckpt.load(self.model, self.optimizer, path=path, compat=self.compat())
+        self._state_host = None          # loading may replace the state's tensors: new host buffers
         self.policy_version, self.stepped = out["state"]["policy_version"], False
         self.optimizer.zero_grad(set_to_none=True)
         return out

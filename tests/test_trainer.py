@@ -178,6 +178,27 @@ def test_optimizer_state_to_host_frees_it_and_steps_as_if_it_had_stayed(tiny_mod
     assert _same_weights(a, b)
 
 
+def test_checkpoints_with_adamw_state_on_the_host(tiny_model, tmp_path):
+    """A save while AdamW's state is on the host writes the real state (it comes back first); after
+    a load (which may replace the state's tensors) moving it out frees the tensors AdamW now
+    holds, and the steps still equal a trainer that never moved or saved its state."""
+    from minirl.checkpoint import Checkpointer
+    from minirl.trainer import Trainer, TrainerConfig
+    cfg = TrainerConfig(lr=1e-2, max_grad_norm=None)
+    a, b = Trainer(tiny_model, cfg), Trainer(tiny_model, cfg)
+    g = torch.Generator().manual_seed(1)
+    _step_both(a, b, g)
+    ckpt = Checkpointer(tmp_path / "ck")
+    a.optimizer_to_host()
+    a.save_checkpoint(ckpt, 1)
+    a.optimizer_to_host()
+    a.load_checkpoint(ckpt)
+    a.optimizer_to_host()
+    assert all(_local(t).untyped_storage().nbytes() == 0 for st in a.optimizer.state.values() for t in st.values())
+    _step_both(a, b, g)
+    assert _same_weights(a, b)
+
+
 def test_non_finite_gradient_is_refused(trainer):
     rs = _rollouts(2)
     rs[0].advantage = float("nan")
