@@ -428,16 +428,15 @@ def _memory_plan(trainer: Trainer, kw: dict, cfg: WeightManagerConfig) -> tuple[
     engine = n_params * dsize * 1.05 + 4 * GIB          # weights, activations, graphs, sampler
     want = (cfg.kv_cache_gib * GIB if cfg.kv_cache_gib is not None
             else kw.get("max_num_seqs", 256) * max_len * per_token)
-    offload = bool(cfg.offload_optimizer)
+    state, offload = trainer.optimizer_state_bytes, bool(cfg.offload_optimizer)
     if cfg.offload_optimizer is None and not user_sized:   # the KV cache wanted would leave too little free
         import psutil
-        state = trainer.optimizer_state_bytes
         host = psutil.virtual_memory().available / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         offload = (level == 2 and state > 0 and want > free - headroom - engine
                    and host > 1.5 * state + 4 * GIB)
         offload = bool(trainer.agreed_max([int(offload)])[0])     # every rank decides alike
     if offload:
-        free += trainer.optimizer_state_bytes
+        free += state
     beside_peak = free - headroom - (peak - now) - engine   # resident: the step beside it all
     beside_weights = free - margin - engine
     if user_sized:
@@ -449,15 +448,14 @@ def _memory_plan(trainer: Trainer, kw: dict, cfg: WeightManagerConfig) -> tuple[
         raise MemoryError(
             f"trainer and engine do not fit on {torch.cuda.get_device_name(trainer.device)}: training "
             f"{n_params / 1e9:.2f}B parameters over {world} GPU(s) peaks at {peak / GIB:.1f} GiB and keeps "
-            f"{(now - offload * trainer.optimizer_state_bytes) / GIB:.1f} GiB while generating; the engine needs {engine / GIB:.1f} GiB plus a KV "
+            f"{(now - offload * state) / GIB:.1f} GiB while generating; the engine needs {engine / GIB:.1f} "
+            "GiB plus a KV "
             f"cache of at least {2 * max_len * per_token / GIB:.2f} GiB (two {max_len}-token sequences), and "
             f"{free / GIB:.1f} of {total / GIB:.1f} GiB is free. Levers: {lever}a smaller "
             "micro_batch_tokens or activation_checkpointing=True, a shorter max_model_len, more GPUs, or a "
             "smaller model.")
     if offload:
-        logging.getLogger(__name__).info(
-            "AdamW's state (%.1f GiB) goes to the host while the engine generates: its %.1f GiB KV cache "
-            "would leave less than %.1f GiB free beside it", trainer.optimizer_state_bytes / GIB, kv / GIB,
-            headroom / GIB)
+        logging.getLogger(__name__).info("AdamW's state (%.1f GiB) goes to the host while the engine "
+                                         "generates (its KV cache: %.1f GiB)", state / GIB, kv / GIB)
     return level, {"kv_cache_memory_bytes": int(kv),
                    "gpu_memory_utilization": round((engine + kv) / total + 0.005, 4)}, peak - now, offload

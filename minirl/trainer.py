@@ -490,25 +490,22 @@ class Trainer:
         that memory while it generates. On CUDA the copies run on a side stream; wait=False returns
         at once (the device is freed by the next call, or optimizer_to_device()). The verbs that
         read the state (optim_step, checkpoints) bring it back themselves."""
-        if self._state_where == "to_host" and wait:
-            if self._copy_stream is not None:
+        cuda = self.device.type == "cuda"
+        if self._state_where == "device":
+            if self._state_host is None:
+                self._state_host = self._host_buffers()
+            if cuda:
+                self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))   # the last step wrote it
+            with torch.cuda.stream(self._copy_stream) if cuda else contextlib.nullcontext():
+                for t, h in self._state_host:
+                    h.copy_(t, non_blocking=cuda)
+            self._state_where = "to_host"
+        if self._state_where == "to_host" and (wait or not cuda):
+            if cuda:
                 self._copy_stream.synchronize()
             for t, _ in self._state_host:
                 t.untyped_storage().resize_(0)
             self._state_where = "host"
-        if self._state_where != "device":
-            return
-        if self._state_host is None:
-            self._state_host = self._host_buffers()
-        cuda = self.device.type == "cuda"
-        if cuda:
-            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))   # the last step wrote it
-        with torch.cuda.stream(self._copy_stream) if cuda else contextlib.nullcontext():
-            for t, h in self._state_host:
-                h.copy_(t, non_blocking=cuda)
-        self._state_where = "to_host"
-        if wait or not cuda:
-            self.optimizer_to_host()
 
     def optimizer_to_device(self) -> None:
         """Bring AdamW's state back from optimizer_to_host(): its device memory is allocated now
