@@ -47,7 +47,8 @@ def parse_args(doc: str, run_dir: str, argv=None):
     add("--max-model-len", type=int, default=256)
     add("--epochs", type=int, default=1, help="passes over each batch")
     add("--optim-steps", type=int, default=1, help="optimizer steps per pass (gradients accumulated)")
-    add("--micro-batch-tokens", type=int, default=16384, help="tokens per packed micro-batch")
+    add("--micro-batch-tokens", type=int, default=None, help="tokens per packed micro-batch (default: planned on "
+        "CUDA, the largest of 32,768 / 16,384 / 8,192 that fits without recomputation; 16,384 elsewhere)")
     add("--activation-checkpointing", nargs="?", type=int, const=True, default=None, metavar="LAYERS",
         help="recompute decoder layers' activations in backward: every layer, or LAYERS of them "
              "(default: the memory plan decides, CUDA)")
@@ -114,7 +115,7 @@ def check_args(args) -> str | None:
     """The first nonsense value among the parsed flags, as a message naming the flag and its range."""
     flag = lambda name: "--" + name.replace("_", "-")
     for name, low in AT_LEAST.items():
-        if getattr(args, name) < low:
+        if getattr(args, name) is not None and getattr(args, name) < low:
             return f"{flag(name)} must be >= {low}, got {getattr(args, name)}"
     for name, ok, rng in (("lr", lambda v: 0 < v < float("inf"), "a finite number > 0"),
                           ("kv_cache_gib", lambda v: v is None or v > 0, "> 0"),

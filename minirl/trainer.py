@@ -59,8 +59,11 @@ class TrainerConfig:
     layer, an int that many (evenly spaced), False none. None: none, unless measure_peak() finds that
     neither a full micro-batch nor half of one (then micro_batch_tokens is halved) would fit without
     it (CUDA); then the fewest layers that make a full micro-batch fit."""
-    micro_batch_tokens: int = 16384
-    """Token budget of one packed micro-batch (a longer rollout gets a row of its own)."""
+    micro_batch_tokens: int | None = None
+    """Token budget of one packed micro-batch (a longer rollout gets a row of its own). None:
+    planned. Where measure_peak() runs (the co-located memory plan on CUDA) the largest of
+    PLANNED_TOKENS that fits without recomputation (if none does: 16,384 tokens, recomputing the
+    fewest layers); elsewhere 16,384."""
     attention: str = "auto"
     """"varlen" (torch's flash varlen kernel, CUDA), "sdpa" (a block-diagonal mask), "auto"."""
     seed: int = 0
@@ -84,6 +87,13 @@ class TrainerConfig:
     log-probs' pass over the logits (core.token_logprobs(compile=)); it fuses the elementwise work
     (norms, rotary, SwiGLU, casts, softmax over the vocabulary) that dominates a small model's step.
     None: on CUDA (inductor), off on CPU; True: inductor; a str: that backend; False: eager."""
+
+
+PLANNED_TOKENS = (32768, 16384, 8192)
+"""The micro-batch sizes measure_peak chooses from when micro_batch_tokens is left to it, largest
+first. Larger micro-batches train faster where they fit (fewer FSDP2 gathers and launches, larger
+matmuls): Qwen3-0.6B's training phase of 512 x 1,088 tokens took 5.56 s at 32,768 against 6.25 s at
+16,384 on an H200 (benchmarks/train_phase.py, benchmarks/results/2026-12-04)."""
 
 
 def check_model_path(model: str) -> str:
@@ -273,7 +283,10 @@ class Trainer:
     """
 
     def __init__(self, model: str, config: TrainerConfig | None = None):
-        cfg = self.config = config or TrainerConfig()
+        cfg = config or TrainerConfig()
+        self.planned_tokens = cfg.micro_batch_tokens is None
+        """micro_batch_tokens was left to measure_peak (TrainerConfig.micro_batch_tokens None)."""
+        cfg = self.config = replace(cfg, micro_batch_tokens=PLANNED_TOKENS[1]) if self.planned_tokens else cfg
         if cfg.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {cfg.micro_batch_tokens}")
         self.path = check_model_path(model)
@@ -566,7 +579,10 @@ class Trainer:
         recomputation (activations grow linearly in tokens), so a micro-batch far too big is never
         run (its failed attempt would fill the device); when half of it would fit,
         micro_batch_tokens is halved instead (a warning says so); else, or when the full
-        micro-batch did not fit after all, the fewest layers (_fewest_layers). Usable: 95% of the device, or all of it but `reserve` bytes when
+        micro-batch did not fit after all, the fewest layers (_fewest_layers). With micro_batch_tokens
+        left to it (planned_tokens), the largest of PLANNED_TOKENS predicted by the small trials (of
+        the largest) and confirmed by its own to fit without recomputation; if none does, 16,384
+        tokens and the fewest layers. Usable: 95% of the device, or all of it but `reserve` bytes when
         given (what shares it, e.g. a sleeping engine, and headroom). The trials and the verdict are
         in self.memory_plan and logged. Leaves no gradients behind; MemoryError when it does not fit."""
         n = self.config.micro_batch_tokens
@@ -575,6 +591,18 @@ class Trainer:
         self.memory_plan = {"usable_gib": limit / 2**30, "trials": []}
         none = None                 # the full micro-batch's peak without recomputation (predicted, then measured)
         auto = self.config.activation_checkpointing is None
+        if auto and self.planned_tokens:
+            big = PLANNED_TOKENS[0]
+            small = {m: self._plan_trial(0, m) for m in (big // 8, big // 4)}
+            if None not in small.values():
+                line = lambda m: predict_peak(big // 8, small[big // 8], big // 4, small[big // 4], m)
+                for m in PLANNED_TOKENS:               # the largest that fits, trials only where predicted to
+                    peak = small[m] if m in small else self._plan_trial(0, m) if line(m) <= limit else None
+                    if peak is not None and peak <= limit:
+                        self.config = replace(self.config, micro_batch_tokens=m)
+                        return self._plan_done(peak, limit, m)
+                none = line(n)
+            return self._plan_done(self._fewest_layers(n, none, limit), limit, n)
         if auto and n >= 64:
             small = [self._plan_trial(0, n // 8), self._plan_trial(0, n // 4)]
             if None not in small:

@@ -7,6 +7,7 @@ Needs: CPU only. The two-rank test starts torchrun (fresh processes, ~30 s).
 
 import dataclasses
 import json
+import logging
 
 import pytest
 import torch
@@ -420,7 +421,7 @@ def test_a_micro_batch_that_does_not_fit_is_halved_before_recomputation(tiny_mod
     so the full micro-batch recomputes (2 + 4 + 1 = 7 GiB)."""
     from minirl.trainer import Trainer, TrainerConfig
     gib = 2**30
-    tr = Trainer(tiny_model, TrainerConfig(lr=1e-3))
+    tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, micro_batch_tokens=16384))
     ckpt = lambda: bool(getattr(tr.model, "is_gradient_checkpointing", False))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
     monkeypatch.setattr(tr, "_trial_peak", lambda n: int(2 * gib + n * per_token_mib * 2**20 / (4 if ckpt() else 1)) + gib)
@@ -428,6 +429,49 @@ def test_a_micro_batch_that_does_not_fit_is_halved_before_recomputation(tiny_mod
     assert (tr.config.micro_batch_tokens, ckpt()) == expect
     n, on = expect
     assert peak == int(2 * gib + n * per_token_mib * 2**20 / (4 if on else 1)) + gib <= 10 * gib
+
+
+@pytest.mark.parametrize("per_token_mib, bump_gib, chosen, tried", [
+    (0.125, 0, 32768, [4096, 8192, 32768]), (0.125, 5, 16384, [4096, 8192, 32768, 16384]),
+    (0.25, 0, 16384, [4096, 8192, 16384]), (0.75, 0, 8192, [4096, 8192])])
+def test_a_planned_micro_batch_is_the_largest_that_fits(tiny_model, monkeypatch, caplog, per_token_mib, bump_gib,
+                                                        chosen, tried):
+    """micro_batch_tokens left to measure_peak, its trials stood in for: 2 GiB + per_token_mib a token,
+    AdamW 1 GiB, 10 GiB usable. The trials of 4,096 and 8,192 tokens draw the line; the largest of
+    32,768 / 16,384 / 8,192 on it under the line runs a trial of its own (8,192's is the small one).
+    At 0.125 MiB 32,768 tokens peak at 7 GiB; when that trial comes out 5 GiB above the line, 16,384
+    (5 GiB) is chosen. At 0.25 MiB 32,768 would peak at 11 GiB (no trial) and 16,384 at 7; at 0.75 MiB
+    only 8,192 fits (9 GiB). Nothing recomputes and no warning is logged: the size was left to it."""
+    from minirl.trainer import Trainer, TrainerConfig
+    gib, seen = 2**30, []
+    tr = Trainer(tiny_model, TrainerConfig(lr=1e-3))
+    assert tr.planned_tokens and tr.config.micro_batch_tokens == 16384      # what runs where no plan does
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
+    peak = lambda n: int(2 * gib + n * per_token_mib * 2**20 + (bump_gib * gib if n == 32768 else 0))
+    monkeypatch.setattr(tr, "_trial_peak", lambda n: seen.append(n) or peak(n) + gib)
+    with caplog.at_level(logging.INFO, logger="minirl.trainer"):
+        got = tr.measure_peak(reserve=2 * gib)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert f"{chosen}-token micro-batches" in caplog.text
+    assert (tr.config.micro_batch_tokens, tr.recomputed_layers, seen) == (chosen, 0, tried)
+    assert got == peak(chosen) + gib <= 10 * gib
+    assert tr.memory_plan["micro_batch_tokens"] == chosen
+
+
+def test_a_planned_micro_batch_that_never_fits_recomputes_at_16384(tmp_path, monkeypatch):
+    """Planned, but 8,192 tokens do not fit either (2 GiB + 1 MiB a token, 10 GiB usable, AdamW 1 GiB):
+    16,384 tokens with the fewest of 8 layers recomputed, as a user's 16,384 would (the test below)."""
+    from minirl.tiny import build_tiny_model
+    from minirl.trainer import Trainer, TrainerConfig
+    gib = 2**30
+    tr = Trainer(str(build_tiny_model(tmp_path / "m8", num_layers=8)), TrainerConfig(lr=1e-3))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
+    peak = lambda n, k: 2 * gib + n * 2**20 * (1 - 0.75 * k / 8)
+    tried = []
+    monkeypatch.setattr(tr, "_trial_peak", lambda n: tried.append((n, tr.recomputed_layers)) or int(peak(n, tr.recomputed_layers)) + gib)
+    tr.measure_peak(reserve=2 * gib)
+    assert (tr.config.micro_batch_tokens, tr.recomputed_layers) == (16384, 6)
+    assert tried == [(4096, 0), (8192, 0), (16384, 8), (16384, 6)]
 
 
 @pytest.mark.parametrize("bump_gib, layers", [(0.0, 6), (0.5, 7)])
@@ -441,7 +485,7 @@ def test_the_fewest_layers_that_fit_are_recomputed(tmp_path, monkeypatch, bump_g
     from minirl.tiny import build_tiny_model
     from minirl.trainer import Trainer, TrainerConfig
     gib = 2**30
-    tr = Trainer(str(build_tiny_model(tmp_path / "m8", num_layers=8)), TrainerConfig(lr=1e-3))
+    tr = Trainer(str(build_tiny_model(tmp_path / "m8", num_layers=8)), TrainerConfig(lr=1e-3, micro_batch_tokens=16384))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
     peak = lambda n, k: 2 * gib + n * 2**20 * (1 - 0.75 * k / 8) + (bump_gib * gib if 0 < k < 8 else 0)
     tried = []
@@ -461,7 +505,7 @@ def test_a_full_trial_over_its_prediction_recomputes_the_fewest_layers_not_all(t
     from minirl.tiny import build_tiny_model
     from minirl.trainer import Trainer, TrainerConfig
     gib = 2**30
-    tr = Trainer(str(build_tiny_model(tmp_path / "m8", num_layers=8)), TrainerConfig(lr=1e-3))
+    tr = Trainer(str(build_tiny_model(tmp_path / "m8", num_layers=8)), TrainerConfig(lr=1e-3, micro_batch_tokens=16384))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
     peak = lambda n, k: 2 * gib + n * 0.4 * 2**20 * (1 - 0.75 * k / 8) + (3 * gib if (n, k) == (16384, 0) else 0)
     tried = []
@@ -480,7 +524,7 @@ def test_a_partial_trial_out_of_memory_halves_the_range(tmp_path, monkeypatch):
     from minirl.tiny import build_tiny_model
     from minirl.trainer import Trainer, TrainerConfig
     gib = 2**30
-    tr = Trainer(str(build_tiny_model(tmp_path / "m8", num_layers=8)), TrainerConfig(lr=1e-3))
+    tr = Trainer(str(build_tiny_model(tmp_path / "m8", num_layers=8)), TrainerConfig(lr=1e-3, micro_batch_tokens=16384))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
     peak = lambda n, k: None if (n == 16384 and k < 6) else int(2 * gib + n * 0.4 * 2**20 * (1 - 0.75 * k / 8))
     tried = []
@@ -512,7 +556,7 @@ import json, torch, torch.distributed as dist
 from minirl.colocated import _fit_beside_sleeping_engine
 from minirl.trainer import Trainer, TrainerConfig
 gib = 2**30
-tr = Trainer({model!r}, TrainerConfig(lr=1e-3))
+tr = Trainer({model!r}, TrainerConfig(lr=1e-3, micro_batch_tokens=16384))
 rank = dist.get_rank()
 ckpt = lambda: bool(getattr(tr.model, "is_gradient_checkpointing", False))
 per_token = 0.25 if rank == 0 else 0.5                 # MiB: rank 1's trials peak higher
