@@ -64,7 +64,8 @@ def variant(name: str, model: str, batch, args) -> dict:
     if "pinned" in flags:
         def pinned_to(self, device):
             from dataclasses import fields, replace
-            return replace(self, **{f.name: getattr(self, f.name).pin_memory().to(device, non_blocking=True)
+            pin = (lambda t: t.pin_memory()) if cuda else (lambda t: t)
+            return replace(self, **{f.name: pin(getattr(self, f.name)).to(device, non_blocking=True)
                                     for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)})
         _Tensors.to = pinned_to
     try:

@@ -60,3 +60,19 @@ def test_step_benchmark_smoke(tmp_path):
         assert 0 < s["engine_s"] <= s["rollout_wall_s"] <= s["generate_s"] + s["sync_s"] and s["train_s"] > 0
         assert 0 < s["rollout_cpu_s"] and 0 <= s["gc_s"] < s["rollout_wall_s"]
     assert "| minirl |" in out.with_suffix(".md").read_text()
+
+
+def test_train_phase_benchmark_smoke(tmp_path):
+    """Every variant trained (finite gradients from nonzero advantages: no step refused), with its own
+    micro-batch budget, and the same tokens; MFU and step times recorded."""
+    out = tmp_path / "tp.json"
+    p = run_py(["benchmarks/train_phase.py", "--shape", "tiny", "--prompts", "4", "--group-size", "4",
+                "--completion", "32", "--steps", "2", "--variants", "default,mb32k+keep+pinned",
+                "--models-dir", str(tmp_path / "models"), "--out", str(out)], timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    runs = json.loads(out.read_text())["variants"]
+    assert [(r["variant"], r.get("error"), r["config"]["micro_batch_tokens"]) for r in runs] == [
+        ("default", None, 16384), ("mb32k+keep+pinned", None, 32768)]
+    for r in runs:
+        assert len(r["steps"]) == 3 and {s["tokens"] for s in r["steps"]} == {16 * 32}
+        assert r["median"]["step_s"] > 0 and r["mfu"] > 0
