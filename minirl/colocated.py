@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from minirl import vllm_compat as vc
-from minirl.trainer import Trainer, TrainerConfig, check_model_path, precision
+from minirl.trainer import PLANNED_TOKENS, Trainer, TrainerConfig, check_model_path, precision
 from minirl.weights import SyncError, check_sync, check_tolerance, probe_gap  # noqa: F401 (public)
 
 GIB = 1 << 30
@@ -416,7 +416,10 @@ def _memory_plan(trainer: Trainer, kw: dict, cfg: WeightManagerConfig) -> tuple[
     if cfg.sleep_level is not None and user_sized:
         return cfg.sleep_level, {}, None, bool(cfg.offload_optimizer)
     headroom = _headroom(torch.cuda.mem_get_info(trainer.device)[1])
-    peak = trainer.measure_peak(reserve=ENGINE_ASLEEP + headroom)   # bytes, a whole training step
+    # bytes, a whole training step; a resident engine's KV cache has to fit beside its peak, so a
+    # planned micro-batch stays at most 16,384 tokens there (the cache before the rows)
+    peak = trainer.measure_peak(reserve=ENGINE_ASLEEP + headroom,
+                                largest=PLANNED_TOKENS[1] if level == 0 else None)
     now = torch.cuda.memory_allocated(trainer.device)   # weights and AdamW's state (no gradients)
     free, total = torch.cuda.mem_get_info(trainer.device)
     margin = max(2 * GIB, 0.03 * total)

@@ -571,7 +571,7 @@ class Trainer:
         return [(t, buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
                 for t, o in zip(pairs, offsets)]
 
-    def measure_peak(self, reserve: int = 0) -> int:
+    def measure_peak(self, reserve: int = 0, largest: int | None = None) -> int:
         """Bytes allocated (CUDA) at the peak of one forward_backward over a full micro-batch of
         random tokens, weights, gradients and AdamW's state (allocated at load) included. With
         activation_checkpointing None, recomputes the fewest decoder layers that make that
@@ -581,8 +581,8 @@ class Trainer:
         micro_batch_tokens is halved instead (a warning says so); else, or when the full
         micro-batch did not fit after all, the fewest layers (_fewest_layers). With micro_batch_tokens
         left to it (planned_tokens), the largest of PLANNED_TOKENS predicted by the small trials (of
-        the largest) and confirmed by its own to fit without recomputation; if none does, 16,384
-        tokens and the fewest layers. Usable: 95% of the device, or all of it but `reserve` bytes when
+        the largest) and confirmed by its own to fit without recomputation, none above `largest`; if
+        none does, 16,384 tokens and the fewest layers. Usable: 95% of the device, or all of it but `reserve` bytes when
         given (what shares it, e.g. a sleeping engine, and headroom). The trials and the verdict are
         in self.memory_plan and logged. Leaves no gradients behind; MemoryError when it does not fit."""
         n = self.config.micro_batch_tokens
@@ -592,11 +592,12 @@ class Trainer:
         none = None                 # the full micro-batch's peak without recomputation (predicted, then measured)
         auto = self.config.activation_checkpointing is None
         if auto and self.planned_tokens:
-            big = PLANNED_TOKENS[0]
+            sizes = [m for m in PLANNED_TOKENS if largest is None or m <= largest] or [PLANNED_TOKENS[-1]]
+            big = sizes[0]
             small = {m: self._plan_trial(0, m) for m in (big // 8, big // 4)}
             if None not in small.values():
                 line = lambda m: predict_peak(big // 8, small[big // 8], big // 4, small[big // 4], m)
-                for m in PLANNED_TOKENS:               # the largest that fits, trials only where predicted to
+                for m in sizes:                        # the largest that fits, trials only where predicted to
                     peak = small[m] if m in small else self._plan_trial(0, m) if line(m) <= limit else None
                     if peak is not None and peak <= limit:
                         self.config = replace(self.config, micro_batch_tokens=m)

@@ -317,9 +317,11 @@ def test_the_memory_plan_puts_the_engine_to_sleep_unless_told_to_keep_it(monkeyp
     the 85 GiB fit (96 - 3 - 5.96 = 87.04); told not to, the cache is cut to 79.04 GiB."""
     from minirl.colocated import GIB
     n_params = 10**9
+    planned.clear()
     got_level, kw, need, got_offload = _stood_in_plan(monkeypatch, 88, want, sleep_level=sleep_level,
                                                       offload_optimizer=offload)
     assert got_level == level and need == 32 * GIB and got_offload == offloaded
+    assert planned == [16384 if level == 0 else None]      # resident: the KV cache before longer rows
     engine = n_params * 2 * 1.05 + 4 * GIB
     free = (88 + 8 * offloaded) * GIB
     beside = free - 3 * GIB - engine if level else free - (10 + 32) * GIB - engine
@@ -341,10 +343,14 @@ def test_the_memory_plan_sends_adamw_to_the_host_when_only_that_fits_the_engine(
         _stood_in_plan(monkeypatch, 8, 30, host_gib=host_gib, offload_optimizer=offload)
 
 
+planned: list = []   # the largest micro-batch each stood-in plan let measure_peak choose
+
+
 def _stood_in_plan(monkeypatch, free_gib: float, want: int, *, host_gib: float = 64, **cfg):
     """_memory_plan on a stood-in 100 GiB device and trainer: 1B parameters, 12 GiB allocated (4 of
     weights, 8 of AdamW's state), a step peaking at 44 GiB, 1 GiB of KV cache a token, `want`
-    sequences of one token, `free_gib` free, `host_gib` of host memory available."""
+    sequences of one token, `free_gib` free, `host_gib` of host memory available. `planned` records
+    the `largest` micro-batch each plan let measure_peak choose."""
     import types
 
     import psutil
@@ -355,7 +361,8 @@ def _stood_in_plan(monkeypatch, free_gib: float, want: int, *, host_gib: float =
     model = types.SimpleNamespace(config=mc, parameters=lambda: [types.SimpleNamespace(numel=lambda: 10**9)])
     trainer = types.SimpleNamespace(model=model, rank=types.SimpleNamespace(world_size=1),
                                     device=torch.device("cuda"), compute_dtype=torch.bfloat16,
-                                    measure_peak=lambda reserve: 44 * GIB, optimizer_state_bytes=8 * GIB,
+                                    measure_peak=lambda reserve, largest: planned.append(largest) or 44 * GIB,
+                                    optimizer_state_bytes=8 * GIB,
                                     agreed_max=lambda v: v)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (int(free_gib * GIB), 100 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 12 * GIB)

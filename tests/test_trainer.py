@@ -458,6 +458,18 @@ def test_a_planned_micro_batch_is_the_largest_that_fits(tiny_model, monkeypatch,
     assert tr.memory_plan["micro_batch_tokens"] == chosen
 
 
+def test_a_planned_micro_batch_stays_under_largest(tiny_model, monkeypatch):
+    """With largest=16,384 (a resident engine's plan) the trials are those of 16,384 (2,048 and
+    4,096 tokens, then its own), although 32,768 would fit (2 + 4 + 1 = 7 of 10 GiB)."""
+    from minirl.trainer import Trainer, TrainerConfig
+    gib, seen = 2**30, []
+    tr = Trainer(tiny_model, TrainerConfig(lr=1e-3))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
+    monkeypatch.setattr(tr, "_trial_peak", lambda n: seen.append(n) or int(2 * gib + n * 2**17) + gib)
+    tr.measure_peak(reserve=2 * gib, largest=16384)
+    assert (tr.config.micro_batch_tokens, seen) == (16384, [2048, 4096, 16384])
+
+
 def test_a_planned_micro_batch_that_never_fits_recomputes_at_16384(tmp_path, monkeypatch):
     """Planned, but 8,192 tokens do not fit either (2 GiB + 1 MiB a token, 10 GiB usable, AdamW 1 GiB):
     16,384 tokens with the fewest of 8 layers recomputed, as a user's 16,384 would (the test below)."""
