@@ -3,10 +3,10 @@ several trainer settings in one process, on a fixed batch of rollouts the shape 
 (P prompts x G samples, prompt and completion lengths as given, every completion token scored).
 
 Variants (comma-separated --variants, each "default" or flags joined by "+"): "default"
-(TrainerConfig's defaults), "mb32k" / "mb64k"
-(micro_batch_tokens), "keep" (FSDP2 keeps each layer's gathered weights from forward to backward:
-reshard_after_forward=False), "pinned" (micro-batches copied host -> device from pinned memory without
-a stream synchronisation). Each variant: its own Trainer, one warm-up step, then --steps measured steps;
+(TrainerConfig's defaults with 16,384-token micro-batches: no memory plan runs here), "mb32k" /
+"mb64k" (micro_batch_tokens), "keep" (FSDP2 keeps each layer's gathered weights from forward to
+backward: reshard_after_forward=False), "pinned" (micro-batches copied host -> device from pinned
+memory without a stream synchronisation). Each variant: its own Trainer, one warm-up step, then --steps measured steps;
 the median step split into forward_backward and optim_step, trained tokens/s, MFU (6 N tokens /
 seconds / 989.4 TFLOP/s) and the device's peak allocated memory. --profile DIR profiles the first
 variant's last step (DIR/train_<variant>.txt: top kernels, device-busy share of the wall time).
@@ -41,7 +41,8 @@ def rollouts(n: int, prompt: int, completion: int, vocab: int, seed: int = 0, ad
     # and RMSNorm's backward at zero multiplies the gradient by 1/sqrt(eps) per norm (inf, then NaN).
     return [Rollout(prompt_ids=[rng.randrange(2, 64) for _ in range(prompt)],
                     completion_ids=[rng.randrange(vocab) for _ in range(completion)],
-                    sampling_logprobs=[-12.0] * completion, reward=float(i % 2), advantage=advantage * (2 * (i % 2) - 1))
+                    sampling_logprobs=[-12.0] * completion, reward=float(i % 2),
+                    advantage=advantage * (2 * (i % 2) - 1))
             for i in range(n)]
 
 
@@ -141,8 +142,8 @@ def main() -> None:
     if not (model / "config.json").exists():
         import torch
         build_random_model(model, args.shape, device="cuda" if torch.cuda.is_available() else None)
-    batch = rollouts(args.prompts * args.group_size, args.prompt_len, args.completion, SHAPES[args.shape]["vocab_size"] if args.shape in SHAPES else 64,
-                     advantage=args.advantage)
+    vocab = SHAPES[args.shape]["vocab_size"] if args.shape in SHAPES else 64
+    batch = rollouts(args.prompts * args.group_size, args.prompt_len, args.completion, vocab, advantage=args.advantage)
     results = {"workload": vars(args), "variants": []}
     for name in args.variants.split(","):
         try:
