@@ -6,9 +6,9 @@ Variants (comma-separated --variants, each "default" or flags joined by "+"): "d
 (TrainerConfig's defaults with 16,384-token micro-batches: no memory plan runs here), "mb32k" /
 "mb64k" (micro_batch_tokens), "keep" (FSDP2 keeps each layer's gathered weights from forward to
 backward: reshard_after_forward=False), "pinned" (micro-batches copied host -> device from pinned
-memory without a stream synchronisation). Each variant: its own Trainer, one warm-up step, then --steps measured steps;
-the median step split into forward_backward and optim_step, trained tokens/s, MFU (6 N tokens /
-seconds / 989.4 TFLOP/s) and the device's peak allocated memory. --profile DIR profiles the first
+memory without a stream synchronisation). Each variant: its own Trainer, one warm-up step, then
+--steps measured steps; the median step split into forward_backward and optim_step, trained
+tokens/s, MFU (6 N tokens / seconds / 989.4 TFLOP/s) and the device's peak allocated memory. --profile DIR profiles the first
 variant's last step (DIR/train_<variant>.txt: top kernels, device-busy share of the wall time).
 
     python benchmarks/train_phase.py --shape qwen3-0.6b --completion 1024 --variants default,mb32k,keep,pinned
@@ -118,7 +118,7 @@ def variant(name: str, model: str, batch, args) -> dict:
         fsdp.fully_shard, _Tensors.to = shard, to
         import gc
         gc.collect()
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.empty_cache()
 
 

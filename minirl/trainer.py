@@ -582,8 +582,8 @@ class Trainer:
         micro-batch did not fit after all, the fewest layers (_fewest_layers). With micro_batch_tokens
         left to it (planned_tokens), the largest of PLANNED_TOKENS predicted by the small trials (of
         the largest) and confirmed by its own to fit without recomputation, none above `largest`; if
-        none does, 16,384 tokens and the fewest layers. Usable: 95% of the device, or all of it but `reserve` bytes when
-        given (what shares it, e.g. a sleeping engine, and headroom). The trials and the verdict are
+        none does, 16,384 tokens and the fewest layers. Usable: 95% of the device, or all of it but
+        `reserve` bytes when given (what shares it, e.g. a sleeping engine, and headroom). The trials and the verdict are
         in self.memory_plan and logged. Leaves no gradients behind; MemoryError when it does not fit."""
         n = self.config.micro_batch_tokens
         total = torch.cuda.mem_get_info(self.device)[1]
