@@ -52,6 +52,9 @@ def parse_args(doc: str, run_dir: str, argv=None):
     add("--activation-checkpointing", nargs="?", type=int, const=True, default=None, metavar="LAYERS",
         help="recompute decoder layers' activations in backward: every layer, or LAYERS of them "
              "(default: the memory plan decides, CUDA)")
+    add("--activation-memory-budget", type=float, default=None, metavar="B",
+        help="torch.compile's activation memory budget in (0, 1]: lower recomputes more in backward "
+             "(default: the memory plan decides, CUDA; 1 elsewhere)")
     add("--compile", default=None, action=argparse.BooleanOptionalAction,
         help="torch.compile the trainer's decoder layers (default: on CUDA)")
     add("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full fine-tuning)")
@@ -119,7 +122,8 @@ def check_args(args) -> str | None:
             return f"{flag(name)} must be >= {low}, got {getattr(args, name)}"
     for name, ok, rng in (("lr", lambda v: 0 < v < float("inf"), "a finite number > 0"),
                           ("kv_cache_gib", lambda v: v is None or v > 0, "> 0"),
-                          ("gpu_memory_utilization", lambda v: v is None or 0 < v <= 1, "in (0, 1]")):
+                          ("gpu_memory_utilization", lambda v: v is None or 0 < v <= 1, "in (0, 1]"),
+                          ("activation_memory_budget", lambda v: v is None or 0 < v <= 1, "in (0, 1]")):
         if not ok(getattr(args, name)):
             return f"{flag(name)} must be {rng}, got {getattr(args, name)}"
     rules = ((args.eval_k > args.eval_samples, f"--eval-k {args.eval_k} must be <= --eval-samples {args.eval_samples}"),
@@ -138,7 +142,7 @@ def trainer_config(args) -> TrainerConfig:
                                          also_train=tuple(filter(None, args.lora_also_train.split(","))))
     return TrainerConfig(lr=args.lr, seed=args.seed, micro_batch_tokens=args.micro_batch_tokens,
                          activation_checkpointing=args.activation_checkpointing,
-                         lora=lora or None, cpu_offload=args.offload,
+                         activation_memory_budget=args.activation_memory_budget, lora=lora or None, cpu_offload=args.offload,
                          reference_offload=args.reference_offload,
                          reference=args.reference or args.kl_coef > 0, compile=args.compile)
 

@@ -64,6 +64,14 @@ class TrainerConfig:
     planned. Where measure_peak() runs (the co-located memory plan on CUDA) the largest of
     PLANNED_TOKENS that fits without recomputation (if none does: 16,384 tokens, recomputing the
     fewest layers); elsewhere 16,384."""
+    activation_memory_budget: float | None = None
+    """torch.compile's activation memory budget for the compiled decoder layers, in (0, 1]
+    (torch._functorch.config.activation_memory_budget): 1 keeps what its partitioner saves for
+    backward by default; lower values have it recompute more in backward instead, the cheapest ops
+    first (norms, rotary, SwiGLU's product before any matmul). Needs compile. None: planned. Where
+    measure_peak() plans micro_batch_tokens, 1 or LOW_MEMORY_BUDGET when only that lets a longer
+    micro-batch fit without recomputing layers (Qwen3-4B on an H200: 16,384 tokens instead of 8,192,
+    5% faster); elsewhere 1."""
     attention: str = "auto"
     """"varlen" (torch's flash varlen kernel, CUDA), "sdpa" (a block-diagonal mask), "auto"."""
     seed: int = 0
@@ -94,6 +102,17 @@ PLANNED_TOKENS = (32768, 16384, 8192)
 first. Larger micro-batches train faster where they fit (fewer FSDP2 gathers and launches, larger
 matmuls): Qwen3-0.6B's training phase of 512 x 1,088 tokens took 5.56 s at 32,768 against 6.25 s at
 16,384 on an H200 (benchmarks/train_phase.py, benchmarks/results/2026-12-04)."""
+
+LOW_MEMORY_BUDGET = 0.6
+"""The activation memory budget measure_peak tries when a micro-batch does not fit at 1. Qwen3-4B's
+training phase of 512 x 320 tokens on an H200 (benchmarks/train_phase.py,
+benchmarks/results/2026-12-04-b): 8,192-token micro-batches at budget 1 took 8.57 s and peaked at
+99.5 GiB; 16,384 tokens at 0.8 took 8.15 s at 116.4 GiB, at 0.6 8.34 s at 106.2 GiB (at 1 they
+would need ~142 GiB). 0.6 keeps a planned step's peak near the shorter rows' at most of the gain."""
+
+_BUDGET_BOUND = 0.5
+"""measure_peak runs a trial at LOW_MEMORY_BUDGET only where the activations at budget 1 (the small
+trials' line), scaled by this, would fit: 0.55 of them remained at 0.6 in the measurement above."""
 
 
 def check_model_path(model: str) -> str:
@@ -289,6 +308,10 @@ class Trainer:
         cfg = self.config = replace(cfg, micro_batch_tokens=PLANNED_TOKENS[1]) if self.planned_tokens else cfg
         if cfg.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {cfg.micro_batch_tokens}")
+        budget = cfg.activation_memory_budget
+        if budget is not None and not 0 < budget <= 1:
+            raise ValueError(f"activation_memory_budget must be in (0, 1] (1: what torch.compile saves by "
+                             f"default) or None (planned), got {budget}")
         self.path = check_model_path(model)
         self.compute_dtype = precision(cfg.mixed_precision, pick_device(int(os.environ.get("LOCAL_RANK", 0))))
         self.rank = init_distributed(cfg.dist_timeout_s)
@@ -300,6 +323,12 @@ class Trainer:
         self.compile = "inductor" if cfg.compile is True or (
             cfg.compile is None and self.device.type == "cuda") else cfg.compile or None
         """The torch.compile backend of the decoder layers and the fused log-probs (None: eager)."""
+        if cfg.activation_memory_budget is not None and self.compile is None:
+            raise ValueError("activation_memory_budget is torch.compile's (its partitioner decides what "
+                             "backward recomputes), and this trainer runs eager: set compile=True, or "
+                             "drop activation_memory_budget")
+        self.memory_budget = 1.0 if cfg.activation_memory_budget is None else cfg.activation_memory_budget
+        """The activation memory budget the decoder layers compile with (see TrainerConfig)."""
         self.model = load_fsdp_model(self.path, self.device, self.rank.world_size, self.compute_dtype,
                                      activation_checkpointing=cfg.activation_checkpointing or False,
                                      lora=cfg.lora, offload=cfg.cpu_offload, compile=self.compile, **load)
@@ -353,7 +382,21 @@ class Trainer:
         total = int(counts[0]) if num_global_tokens is None else int(num_global_tokens)
         scale = self.rank.world_size / max(total, 1)       # FSDP2 averages gradients over ranks
         sums: dict[str, torch.Tensor] = {}
-        for i in range(int(counts[1])):
+        budget = (torch._functorch.config.patch(activation_memory_budget=self.memory_budget) if self.compile
+                  else contextlib.nullcontext())        # read where the layers compile: their first pass
+        with budget:
+            self._micro_batches(mbs, int(counts[1]), loss_fn, temperature, entropy, scale, sums)
+        keys = sorted(sums)
+        vec = torch.stack([torch.as_tensor(sums[k], device=self.device) for k in keys]) if keys else None
+        if vec is not None and self.rank.world_size > 1:
+            dist.all_reduce(vec)
+        out = {k: float(v) / max(total, 1) for k, v in zip(keys, vec.tolist())} if keys else {}
+        return {**out, "tokens": total, "micro_batches": int(counts[1])}
+
+    def _micro_batches(self, mbs, count: int, loss_fn, temperature, entropy, scale, sums: dict) -> None:
+        """forward and backward of each packed micro-batch (an empty pass past this rank's own),
+        the loss_fn's sums added to `sums`."""
+        for i in range(count):
             mb = mbs[i].to(self.device) if i < len(mbs) else None
             ids = mb.input_ids if mb else torch.zeros(1, 2, dtype=torch.long, device=self.device)
             keep = mb.scored if mb else torch.zeros(0, dtype=torch.long, device=self.device)
@@ -375,12 +418,6 @@ class Trainer:
             (loss * scale).backward()
             for k, v in {"loss": loss, **stats}.items():
                 sums[k] = sums.get(k, 0.0) + v.detach().float().sum()
-        keys = sorted(sums)
-        vec = torch.stack([torch.as_tensor(sums[k], device=self.device) for k in keys]) if keys else None
-        if vec is not None and self.rank.world_size > 1:
-            dist.all_reduce(vec)
-        out = {k: float(v) / max(total, 1) for k, v in zip(keys, vec.tolist())} if keys else {}
-        return {**out, "tokens": total, "micro_batches": int(counts[1])}
 
     @torch.no_grad()
     def _reference_logprobs(self, ids, keep, extra, mb, temperature: float):
@@ -581,8 +618,10 @@ class Trainer:
         micro_batch_tokens is halved instead (a warning says so); else, or when the full
         micro-batch did not fit after all, the fewest layers (_fewest_layers). With micro_batch_tokens
         left to it (planned_tokens), the largest of PLANNED_TOKENS predicted by the small trials (of
-        the largest) and confirmed by its own to fit without recomputation, none above `largest`; if
-        none does, 16,384 tokens and the fewest layers. Usable: 95% of the device, or all of it but
+        the largest) and confirmed by its own to fit without recomputation, none above `largest`, at
+        the activation memory budget of 1 or else (activation_memory_budget None, compiled layers) at
+        LOW_MEMORY_BUDGET, whose trial runs where _BUDGET_BOUND of the line's activations would fit;
+        if none does, 16,384 tokens and the fewest layers at budget 1. Usable: 95% of the device, or all of it but
         `reserve` bytes when given (what shares it, e.g. a sleeping engine, and headroom). The trials and the verdict are
         in self.memory_plan and logged. Leaves no gradients behind; MemoryError when it does not fit."""
         n = self.config.micro_batch_tokens
@@ -597,11 +636,20 @@ class Trainer:
             small = {m: self._plan_trial(0, m) for m in (big // 8, big // 4)}
             if None not in small.values():
                 line = lambda m: predict_peak(big // 8, small[big // 8], big // 4, small[big // 4], m)
+                base, budget = line(0), self.memory_budget      # weights, gradients, AdamW: no activations
+                low = [LOW_MEMORY_BUDGET] if self.compile and self.config.activation_memory_budget is None \
+                    and LOW_MEMORY_BUDGET < budget else []
                 for m in sizes:                        # the largest that fits, trials only where predicted to
-                    peak = small[m] if m in small else self._plan_trial(0, m) if line(m) <= limit else None
-                    if peak is not None and peak <= limit:
-                        self.config = replace(self.config, micro_batch_tokens=m)
-                        return self._plan_done(peak, limit, m)
+                    for b in [budget, *low]:           # at the budget the line was drawn at, else the low one
+                        guess = line(m) if b == budget else base + _BUDGET_BOUND * (line(m) - base)
+                        if guess > limit:
+                            continue
+                        self._use_memory_budget(b)
+                        peak = small[m] if m in small and b == budget else self._plan_trial(0, m)
+                        if peak is not None and peak <= limit:
+                            self.config = replace(self.config, micro_batch_tokens=m)
+                            return self._plan_done(peak, limit, m)
+                self._use_memory_budget(budget)
                 none = line(n)
             return self._plan_done(self._fewest_layers(n, none, limit), limit, n)
         if auto and n >= 64:
@@ -623,6 +671,13 @@ class Trainer:
             none = peak                            # measured (None: out of memory)
         return self._plan_done(self._fewest_layers(n, none, limit), limit, n)
 
+    def _use_memory_budget(self, budget: float) -> None:
+        """Compile the decoder layers at this activation memory budget from the next pass on
+        (torch.compiler.reset(): everything this process compiled compiles again at its next call)."""
+        if budget != self.memory_budget:
+            self.memory_budget = budget
+            torch.compiler.reset()
+
     def _plan_trial(self, layers: int | None, tokens: int) -> int | None:
         """_trial_peak with that many layers recomputing (None: as they are), agreed over the ranks
         and recorded in memory_plan["trials"]; None: out of memory."""
@@ -630,7 +685,7 @@ class Trainer:
             self.recompute_activations(layers)
         peak = self.agreed_max([self._trial_peak(tokens)])[0]
         self.memory_plan["trials"].append([tokens, self.recomputed_layers,
-                                           None if peak is None else round(peak / 2**30, 2)])
+                                           None if peak is None else round(peak / 2**30, 2), self.memory_budget])
         return peak
 
     def _fewest_layers(self, n: int, none: float | None, limit: float) -> int | None:
@@ -668,12 +723,14 @@ class Trainer:
         """measure_peak's verdict: logged and recorded, or MemoryError naming the levers."""
         plan, layers = self.memory_plan, self.num_layers
         plan.update(micro_batch_tokens=n, recomputed_layers=self.recomputed_layers,
+                    activation_memory_budget=self.memory_budget,
                     peak_gib=None if peak is None else round(peak / 2**30, 2))
         if peak is not None and peak <= limit:
             logging.getLogger(__name__).info(
-                "training memory: %d-token micro-batches, %d of %d decoder layers recomputed, peak %.1f GiB of "
-                "%.1f usable (trials [tokens, layers recomputed, GiB]: %s)", n, self.recomputed_layers, layers,
-                peak / 2**30, limit / 2**30, plan["trials"])
+                "training memory: %d-token micro-batches, %d of %d decoder layers recomputed, activation "
+                "memory budget %g, peak %.1f GiB of %.1f usable (trials [tokens, layers recomputed, GiB, "
+                "budget]: %s)", n, self.recomputed_layers, layers, self.memory_budget, peak / 2**30,
+                limit / 2**30, plan["trials"])
             return peak
         on = self.recomputes
         need = "ran out of device memory" if peak is None else f"peaks at {peak / 2**30:.1f} GiB"

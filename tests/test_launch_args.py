@@ -41,6 +41,7 @@ def _error(argv, capsys) -> str:
     (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
     (["--kv-cache-gib", "0"], "--kv-cache-gib must be > 0, got 0.0"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1], got 1.5"),
+    (["--activation-memory-budget", "0"], "--activation-memory-budget must be in (0, 1], got 0.0"),
     (["--eval-samples", "2", "--eval-k", "4"], "--eval-k 4 must be <= --eval-samples 2"),
     (["--eval-every", "5"], "--eval-every needs held-out rows: set --eval-size N"),
     (["--max-tokens", "8", "--overlong-cache", "9"], "--overlong-cache must be in [0, --max-tokens=8], got 9"),
@@ -62,6 +63,9 @@ def test_defaults_and_good_values_parse():
     ckpt = [common.trainer_config(common.parse_args("doc", "runs/x", argv)).activation_checkpointing
             for argv in ([], ["--activation-checkpointing"], ["--activation-checkpointing", "12"])]
     assert ckpt == [None, True, 12]
+    budgets = [common.trainer_config(common.parse_args("doc", "runs/x", argv)).activation_memory_budget
+               for argv in ([], ["--activation-memory-budget", "0.6"])]
+    assert budgets == [None, 0.6]
     args = common.parse_args("doc", "runs/x", ["--compilation-config", '{"mode": 0}'])
     assert common.llm_kwargs(args)["compilation_config"] == {"mode": 0}
 

@@ -458,6 +458,87 @@ def test_a_planned_micro_batch_is_the_largest_that_fits(tiny_model, monkeypatch,
     assert tr.memory_plan["micro_batch_tokens"] == chosen
 
 
+@pytest.mark.parametrize("per_token_mib, ratio, chosen, low, tried", [
+    (0.6, 0.55, 16384, True, [4096, 8192, 16384]), (0.7, 0.7, 8192, False, [4096, 8192, 16384]),
+    (0.25, 0.55, 32768, True, [4096, 8192, 32768]), (1.2, 0.55, 8192, True, [4096, 8192, 8192])])
+def test_a_planned_micro_batch_tries_the_low_memory_budget_before_shorter_rows(
+        tiny_model, monkeypatch, per_token_mib, ratio, chosen, low, tried):
+    """Compiled layers, micro_batch_tokens and activation_memory_budget left to measure_peak, its
+    trials stood in for: 2 GiB + per_token_mib a token at budget 1, `ratio` of those activations at
+    LOW_MEMORY_BUDGET, AdamW 1 GiB, 10 GiB usable. Each size is tried at budget 1, then at the low one
+    where half the line's activations would fit. At 0.6 MiB 16,384 tokens need 12.6 GiB at 1 and
+    8.3 at the low budget: chosen there. At 0.7 MiB with a ratio of 0.7 its trial (10.8 GiB) does not
+    fit: 8,192 tokens at 1 (8.6 GiB, a small trial), the budget back at 1. At 0.25 MiB 32,768
+    tokens at the low budget (7.4 GiB) come before 16,384 at 1. At 1.2 MiB only 8,192 tokens at the
+    low budget fit (8.4 GiB). The budget changes recompile (torch.compiler.reset)."""
+    from minirl.trainer import LOW_MEMORY_BUDGET, Trainer, TrainerConfig
+    gib, seen, resets = 2**30, [], []
+    tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, compile=True))
+    assert tr.memory_budget == 1.0
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
+    monkeypatch.setattr(torch.compiler, "reset", lambda: resets.append(tr.memory_budget))
+    act = lambda n: n * per_token_mib * 2**20 * (ratio if tr.memory_budget < 1 else 1)
+    monkeypatch.setattr(tr, "_trial_peak", lambda n: seen.append((n, tr.memory_budget)) or int(2 * gib + act(n)) + gib)
+    got = tr.measure_peak(reserve=2 * gib)
+    budget = LOW_MEMORY_BUDGET if low else 1.0
+    assert (tr.config.micro_batch_tokens, tr.memory_budget, tr.recomputed_layers) == (chosen, budget, 0)
+    assert [n for n, _ in seen] == tried and seen[-1][1] == LOW_MEMORY_BUDGET     # the last trial at the low one
+    assert resets == ([LOW_MEMORY_BUDGET] if low else [LOW_MEMORY_BUDGET, 1.0])
+    assert got == int(2 * gib + act(chosen)) + gib <= 10 * gib
+    assert tr.memory_plan["activation_memory_budget"] == budget
+
+
+def test_a_set_memory_budget_is_kept_and_checked(tiny_model, monkeypatch):
+    """A budget the user set is the one every trial runs at (no low one is tried: 8,192 tokens at
+    0.75 MiB a token); out of (0, 1], or on an eager trainer, it is refused."""
+    from minirl.trainer import Trainer, TrainerConfig
+    gib, seen = 2**30, []
+    tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, compile=True, activation_memory_budget=0.9))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
+    monkeypatch.setattr(tr, "_trial_peak", lambda n: seen.append(tr.memory_budget) or int(2 * gib + n * 0.75 * 2**20) + gib)
+    tr.measure_peak(reserve=2 * gib)
+    assert (tr.config.micro_batch_tokens, tr.memory_budget, set(seen)) == (8192, 0.9, {0.9})
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match=r"activation_memory_budget must be in \(0, 1\]"):
+            Trainer(tiny_model, TrainerConfig(compile=True, activation_memory_budget=bad))
+    with pytest.raises(ValueError, match="runs eager: set compile=True"):
+        Trainer(tiny_model, TrainerConfig(compile=False, activation_memory_budget=0.5))
+
+
+def test_the_memory_budget_reaches_the_compiled_layers(tiny_model):
+    """Compiled (inductor, CPU) forward_backward of the same rollouts at budget 1, then at 0.3 (the
+    plan's switch, recompiling): backward keeps fewer bytes of activations at 0.3, and recomputing
+    them gives the same gradients."""
+    from minirl.core import ppo_loss_fn
+    from minirl.data import Rollout
+    from minirl.trainer import Trainer, TrainerConfig
+    tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, compile=True))
+    rollouts = [Rollout(prompt_ids=[1, 2, 3], completion_ids=list(range(4, 40 + 3 * i)), reward=1.0,
+                        advantage=0.5 - i % 2, sampling_logprobs=[-1.0] * (36 + 3 * i)) for i in range(4)]
+    weights = {p.to_local().untyped_storage().data_ptr() for p in tr.model.parameters()}
+
+    def saved_bytes_and_grads():
+        storages = {}
+        def keep(t):
+            s = t.untyped_storage()
+            if s.data_ptr() not in weights:
+                storages[s.data_ptr()] = s.nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            tr.forward_backward(rollouts, ppo_loss_fn())
+        grads = [p.grad.full_tensor().clone() for p in tr.model.parameters()]
+        tr.optimizer.zero_grad(set_to_none=True)
+        return sum(storages.values()), grads
+
+    full, g_full = saved_bytes_and_grads()
+    tr._use_memory_budget(0.3)
+    low, g_low = saved_bytes_and_grads()
+    assert low < 0.8 * full
+    for a, b in zip(g_full, g_low):
+        torch.testing.assert_close(a, b)
+    tr.close()
+
+
 def test_a_planned_micro_batch_stays_under_largest(tiny_model, monkeypatch):
     """With largest=16,384 (a resident engine's plan) the trials are those of 16,384 (2,048 and
     4,096 tokens, then its own), although 32,768 would fit (2 + 4 + 1 = 7 of 10 GiB)."""
