@@ -71,7 +71,7 @@ class TrainerConfig:
     first (norms, rotary, SwiGLU's product before any matmul). Needs compile. None: planned. Where
     measure_peak() plans micro_batch_tokens, 1 or LOW_MEMORY_BUDGET when only that lets a longer
     micro-batch fit without recomputing layers (Qwen3-4B on an H200: 16,384 tokens instead of 8,192,
-    5% faster); elsewhere 1."""
+    a training phase 3% shorter); elsewhere 1."""
     attention: str = "auto"
     """"varlen" (torch's flash varlen kernel, CUDA), "sdpa" (a block-diagonal mask), "auto"."""
     seed: int = 0
@@ -621,9 +621,9 @@ class Trainer:
         the largest) and confirmed by its own to fit without recomputation, none above `largest`, at
         the activation memory budget of 1 or else (activation_memory_budget None, compiled layers) at
         LOW_MEMORY_BUDGET, whose trial runs where _BUDGET_BOUND of the line's activations would fit;
-        if none does, 16,384 tokens and the fewest layers at budget 1. Usable: 95% of the device, or all of it but
-        `reserve` bytes when given (what shares it, e.g. a sleeping engine, and headroom). The trials and the verdict are
-        in self.memory_plan and logged. Leaves no gradients behind; MemoryError when it does not fit."""
+        if none does, 16,384 tokens and the fewest layers at the budget it started with. Usable: 95% of
+        the device, or all of it but `reserve` bytes when given (what shares it, e.g. a sleeping
+        engine, and headroom). The trials and the verdict are in self.memory_plan and logged. Leaves no gradients behind; MemoryError when it does not fit."""
         n = self.config.micro_batch_tokens
         total = torch.cuda.mem_get_info(self.device)[1]
         limit = total - reserve if reserve else total * 0.95
