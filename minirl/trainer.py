@@ -623,7 +623,8 @@ class Trainer:
         LOW_MEMORY_BUDGET, whose trial runs where _BUDGET_BOUND of the line's activations would fit;
         if none does, 16,384 tokens and the fewest layers at the budget it started with. Usable: 95% of
         the device, or all of it but `reserve` bytes when given (what shares it, e.g. a sleeping
-        engine, and headroom). The trials and the verdict are in self.memory_plan and logged. Leaves no gradients behind; MemoryError when it does not fit."""
+        engine, and headroom). The trials and the verdict are in self.memory_plan and logged. Leaves
+        no gradients behind; MemoryError when it does not fit."""
         n = self.config.micro_batch_tokens
         total = torch.cuda.mem_get_info(self.device)[1]
         limit = total - reserve if reserve else total * 0.95
