@@ -4,12 +4,14 @@ several trainer settings in one process, on a fixed batch of rollouts the shape 
 
 Variants (comma-separated --variants, each "default" or flags joined by "+"): "default"
 (TrainerConfig's defaults with 16,384-token micro-batches: no memory plan runs here), "mb8k" /
-"mb32k" / "mb64k" (micro_batch_tokens), "budgetNN" (activation memory budget NN / 100), "keep" (FSDP2 keeps each layer's gathered weights from forward to
-backward: reshard_after_forward=False), "pinned" (micro-batches copied host -> device from pinned
-memory without a stream synchronisation). Each variant: its own Trainer, one warm-up step, then
---steps measured steps; the median step split into forward_backward and optim_step, trained
-tokens/s, MFU (6 N tokens / seconds / 989.4 TFLOP/s) and the device's peak allocated memory. --profile DIR profiles the first
-variant's last step (DIR/train_<variant>.txt: top kernels, device-busy share of the wall time).
+"mb32k" / "mb64k" (micro_batch_tokens), "budgetNN" (activation_memory_budget NN / 100, CUDA),
+"keep" (FSDP2 keeps each layer's gathered weights from forward to backward:
+reshard_after_forward=False), "pinned" (micro-batches copied host -> device from pinned memory
+without a stream synchronisation). Each variant: its own Trainer, one warm-up step, then --steps
+measured steps; the median step split into forward_backward and optim_step, trained tokens/s, MFU
+(6 N tokens / seconds / 989.4 TFLOP/s) and the device's peak allocated memory. --profile DIR
+profiles the first variant's last step (DIR/train_<variant>.txt: top kernels, device-busy share of
+the wall time).
 
     python benchmarks/train_phase.py --shape qwen3-0.6b --completion 1024 --variants default,mb32k,keep,pinned
 
@@ -60,11 +62,9 @@ def variant(name: str, model: str, batch, args) -> dict:
     flags = set(name.split("+"))
     kw = {"micro_batch_tokens": 65536 if "mb64k" in flags else 32768 if "mb32k" in flags
           else 8192 if "mb8k" in flags else 16384}
-    import torch._functorch.config as functorch_config     # what TrainerConfig.activation_memory_budget sets
-    budget = functorch_config.activation_memory_budget
     for f in flags:
         if f.startswith("budget"):
-            functorch_config.activation_memory_budget = int(f[6:]) / 100
+            kw["activation_memory_budget"] = int(f[6:]) / 100
     shard, to = fsdp.fully_shard, _Tensors.to
     if "keep" in flags:
         fsdp.fully_shard = lambda m, **k: shard(m, reshard_after_forward=False, **k)
@@ -122,7 +122,6 @@ def variant(name: str, model: str, batch, args) -> dict:
         return res
     finally:
         fsdp.fully_shard, _Tensors.to = shard, to
-        functorch_config.activation_memory_budget = budget
         import gc
         gc.collect()
         if cuda:

@@ -143,7 +143,8 @@ def trainer_config(args) -> TrainerConfig:
                                          also_train=tuple(filter(None, args.lora_also_train.split(","))))
     return TrainerConfig(lr=args.lr, seed=args.seed, micro_batch_tokens=args.micro_batch_tokens,
                          activation_checkpointing=args.activation_checkpointing,
-                         activation_memory_budget=args.activation_memory_budget, lora=lora or None, cpu_offload=args.offload,
+                         activation_memory_budget=args.activation_memory_budget,
+                         lora=lora or None, cpu_offload=args.offload,
                          reference_offload=args.reference_offload,
                          reference=args.reference or args.kl_coef > 0, compile=args.compile)
 

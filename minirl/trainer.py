@@ -385,39 +385,34 @@ class Trainer:
         budget = (torch._functorch.config.patch(activation_memory_budget=self.memory_budget) if self.compile
                   else contextlib.nullcontext())        # read where the layers compile: their first pass
         with budget:
-            self._micro_batches(mbs, int(counts[1]), loss_fn, temperature, entropy, scale, sums)
+            for i in range(int(counts[1])):
+                mb = mbs[i].to(self.device) if i < len(mbs) else None
+                ids = mb.input_ids if mb else torch.zeros(1, 2, dtype=torch.long, device=self.device)
+                keep = mb.scored if mb else torch.zeros(0, dtype=torch.long, device=self.device)
+                extra = dict(position_ids=mb.position_ids, cu_seq_lens_q=mb.cu_seqlens,
+                             cu_seq_lens_k=mb.cu_seqlens, max_length_q=mb.max_seqlen,
+                             max_length_k=mb.max_seqlen) if mb else {}
+                ref = self._reference_logprobs(ids, keep, extra, mb, temperature) if self.config.reference \
+                    else None
+                logits = self.model(ids, use_cache=False, logits_to_keep=keep, **extra).logits[0]  # (n, V)
+                if mb is None:
+                    (logits.sum() * 0).backward()              # an empty pass: FSDP2 collectives match
+                    continue
+                mb.ref_logprobs = ref                          # (n,) fp32 or None
+                out = token_logprobs(logits, mb.targets, temperature=temperature, entropy=entropy,
+                                     compile=self.compile)
+                lp, mb.entropy = out if entropy else (out, None)                   # (n,), (n,) or None
+                per_token, stats = loss_fn(lp, mb, logits)
+                loss = per_token.sum()
+                (loss * scale).backward()
+                for k, v in {"loss": loss, **stats}.items():
+                    sums[k] = sums.get(k, 0.0) + v.detach().float().sum()
         keys = sorted(sums)
         vec = torch.stack([torch.as_tensor(sums[k], device=self.device) for k in keys]) if keys else None
         if vec is not None and self.rank.world_size > 1:
             dist.all_reduce(vec)
         out = {k: float(v) / max(total, 1) for k, v in zip(keys, vec.tolist())} if keys else {}
         return {**out, "tokens": total, "micro_batches": int(counts[1])}
-
-    def _micro_batches(self, mbs, count: int, loss_fn, temperature, entropy, scale, sums: dict) -> None:
-        """forward and backward of each packed micro-batch (an empty pass past this rank's own),
-        the loss_fn's sums added to `sums`."""
-        for i in range(count):
-            mb = mbs[i].to(self.device) if i < len(mbs) else None
-            ids = mb.input_ids if mb else torch.zeros(1, 2, dtype=torch.long, device=self.device)
-            keep = mb.scored if mb else torch.zeros(0, dtype=torch.long, device=self.device)
-            extra = dict(position_ids=mb.position_ids, cu_seq_lens_q=mb.cu_seqlens,
-                         cu_seq_lens_k=mb.cu_seqlens, max_length_q=mb.max_seqlen,
-                         max_length_k=mb.max_seqlen) if mb else {}
-            ref = self._reference_logprobs(ids, keep, extra, mb, temperature) if self.config.reference \
-                else None
-            logits = self.model(ids, use_cache=False, logits_to_keep=keep, **extra).logits[0]  # (n, V)
-            if mb is None:
-                (logits.sum() * 0).backward()              # an empty pass: FSDP2 collectives match
-                continue
-            mb.ref_logprobs = ref                          # (n,) fp32 or None
-            out = token_logprobs(logits, mb.targets, temperature=temperature, entropy=entropy,
-                                 compile=self.compile)
-            lp, mb.entropy = out if entropy else (out, None)                   # (n,), (n,) or None
-            per_token, stats = loss_fn(lp, mb, logits)
-            loss = per_token.sum()
-            (loss * scale).backward()
-            for k, v in {"loss": loss, **stats}.items():
-                sums[k] = sums.get(k, 0.0) + v.detach().float().sum()
 
     @torch.no_grad()
     def _reference_logprobs(self, ids, keep, extra, mb, temperature: float):
@@ -686,7 +681,8 @@ class Trainer:
             self.recompute_activations(layers)
         peak = self.agreed_max([self._trial_peak(tokens)])[0]
         self.memory_plan["trials"].append([tokens, self.recomputed_layers,
-                                           None if peak is None else round(peak / 2**30, 2), self.memory_budget])
+                                           None if peak is None else round(peak / 2**30, 2),
+                                           self.memory_budget])
         return peak
 
     def _fewest_layers(self, n: int, none: float | None, limit: float) -> int | None:
