@@ -24,12 +24,13 @@ from minirl.trainer import TrainerConfig
 def parse_args(doc: str, run_dir: str, argv=None):
     """The command line of both loops; flags marked (co-located) or (async) matter to one only.
     Nonsense values (zero steps, a negative rate, ...) stop here, naming the flag and its range."""
-    from minirl.tasks import DATA_TASKS, TASKS
+    from minirl.tasks import DATA_TASKS, GENERATED, TASKS
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
     add("--model", default=None, help="HF name or path (default: build the tiny model)")
-    add("--task", default="succ", choices=[*TASKS, *DATA_TASKS],
-        help="built-in toy (copy, succ, add) or dataset task (gsm8k, math, code: needs --data)")
+    add("--task", default="succ", choices=[*TASKS, *GENERATED, *DATA_TASKS],
+        help="built-in toy (copy, succ, add), arithmetic through the chat template (arith: 'What is "
+             "12 + 13?') or dataset task (gsm8k, math, code: needs --data)")
     add("--env", default=None, help="built-in environment, multi-turn episodes (minirl.envs): lookup, feedback, "
         "lookup-noise, feedback-noise (default: one turn of --task)")
     add("--data", default=None, help="JSONL, parquet or a datasets.save_to_disk directory (dataset tasks)")
@@ -219,9 +220,9 @@ def train_step(trainer, batches, args, step: int, *, off_policy: str = "none") -
 
 def make_task(args):
     """The run's Task: a toy, or --data read with the model's tokenizer (its chat template)."""
-    from minirl.tasks import DATA_TASKS, load_task
+    from minirl.tasks import DATA_TASKS, GENERATED, load_task
     tokenizer = None
-    if args.task in DATA_TASKS and args.model and not args.no_chat_template:
+    if (args.task in DATA_TASKS or args.task in GENERATED) and args.model and not args.no_chat_template:
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     return load_task(args.task, data=args.data, tokenizer=tokenizer, prompt_key=args.prompt_key,

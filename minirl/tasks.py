@@ -56,6 +56,37 @@ def _add(rng, b: int | None = None):      # 'a+b=' -> last digit of a+b; b drawn
 
 TASKS = {t.name: t for t in (Task("copy", _copy), Task("succ", partial(_add, b=1)), Task("add", _add))}
 
+ARITH_RANGE = 30
+"""`arith` asks "What is a + b?" for a, b in [0, ARITH_RANGE): 900 problems."""
+
+
+def arith_held_out(a: int, b: int) -> bool:
+    """The fifth of `arith`'s problems kept for evaluation (never trained on): six a's for every b."""
+    return (a + 2 * b) % 5 == 0
+
+
+def arith_task(*, tokenizer=None, eval_size: int = 0, seed: int = 0, system_prompt: str | None = None,
+               thinking: bool | None = None) -> Task:
+    """A GSM8K-style arithmetic set made here: "What is 12 + 13?" -> "25", through the tokenizer's chat
+    template when it has one, scored 1.0 when the completion's final answer (`####`, `\\boxed{}` or
+    its last number) is the sum (rewards.gsm8k_reward). The 720 training problems are drawn with
+    replacement; `eval_size` of the 180 held-out ones (arith_held_out, shuffled by seed) evaluate.
+    SmolLM2-135M-Instruct starts at about 27% greedy and 15% sampled at temperature 1."""
+    pairs = [(a, b) for a in range(ARITH_RANGE) for b in range(ARITH_RANGE)]
+    held = [p for p in pairs if arith_held_out(*p)]
+    if not 0 <= eval_size <= len(held):
+        raise ValueError(f"--eval-size {eval_size}: the arith task holds out {len(held)} problems; use at most that")
+    item = lambda a, b: (render(f"What is {a} + {b}?", tokenizer, system_prompt=system_prompt, thinking=thinking),
+                         str(a + b))
+    train = [item(*p) for p in pairs if not arith_held_out(*p)]
+    random.Random(seed).shuffle(held)
+    return Task("arith", lambda rng: train[rng.randrange(len(train))], rewards.gsm8k_reward,
+                tuple(item(*p) for p in held[:eval_size]))
+
+
+GENERATED = {"arith": arith_task}
+"""Tasks made here that render through the model's chat template (no --data)."""
+
 
 def math_boxed_reward(prompt: str, completion: str, answer) -> float:
     """reward_fn for MATH-style data: the completion's last `\\boxed{}` equals the answer (no last-number
@@ -152,9 +183,14 @@ def load_task(name: str, *, data=None, tokenizer=None, prompt_key: str | None = 
                              f"{sorted(DATA_TASKS)}")
         held = TASKS[name].sample(eval_size, seed=-1 - seed) if eval_size else ([], [])
         return Task(name, TASKS[name].make, held_out=tuple(zip(*held)))
+    if name in GENERATED:
+        if data is not None:
+            raise ValueError(f"--task {name} makes its own problems and takes no --data")
+        return GENERATED[name](tokenizer=tokenizer, eval_size=eval_size, seed=seed, system_prompt=system_prompt,
+                               thinking=thinking)
     if name not in DATA_TASKS:
-        raise ValueError(f"unknown task {name!r}; built-in tasks: {sorted(TASKS)}, dataset tasks: "
-                         f"{sorted(DATA_TASKS)}")
+        raise ValueError(f"unknown task {name!r}; built-in tasks: {sorted(TASKS)} and {sorted(GENERATED)}, "
+                         f"dataset tasks: {sorted(DATA_TASKS)}")
     if data is None:
         raise ValueError(f"--task {name} needs --data PATH (JSONL, parquet or a saved dataset directory)")
     spec = DATA_TASKS[name]

@@ -259,3 +259,27 @@ def test_gsm8k_recipe_rows_and_flags(tmp_path):
     assert (launch.max_tokens, launch.eval_every, launch.overlong_cache, launch.task) == (1024, 2, 256, "gsm8k")
     with pytest.raises(SystemExit):
         gsm8k_recipe.parse(["--out", "x.json", "--rows", "64"])        # no rows left to train on
+
+
+def test_arith_task_holds_out_a_fifth_and_renders_the_template():
+    """arith: 900 problems, the 180 held out (a + 2b = 0 mod 5) never drawn for training, prompts
+    through the chat template, references the sums, scored on the final number."""
+    from transformers import PreTrainedTokenizerFast
+    from minirl.tiny import build_tokenizer
+    tok: PreTrainedTokenizerFast = build_tokenizer()
+    tok.chat_template = TEMPLATE
+    task = load_task("arith", tokenizer=tok, eval_size=180, seed=3)
+    held = {p for p, _ in task.held_out}
+    train = set(task.sample(20000, seed=0)[0])
+    assert len(held) == 180 and len(train) == 720 and not held & train
+    assert "<user>What is 1 + 2?</user><assistant>" in held       # 1 + 2*2 = 5: held out
+    assert "<user>What is 2 + 1?</user><assistant>" in train
+    for prompt, answer in task.held_out:
+        a, b = map(int, prompt.split("What is ")[1].split("?")[0].split(" + "))
+        assert answer == str(a + b) and (a + 2 * b) % 5 == 0
+    assert task.reward("", "12 + 13 = 25", "25") == 1.0 and task.reward("", "25, no: 24", "25") == 0.0
+    assert load_task("arith", eval_size=5, seed=3).held_out != load_task("arith", eval_size=5, seed=4).held_out
+    with pytest.raises(ValueError, match="holds out 180"):
+        load_task("arith", eval_size=181)
+    with pytest.raises(ValueError, match="takes no --data"):
+        load_task("arith", data="x.jsonl")
