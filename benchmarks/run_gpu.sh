@@ -25,9 +25,10 @@ for stage in "$@"; do
       timeout 200 python benchmarks/logprobs.py --out "$out/logprobs_h200.json" 2>&1 | tail -9
       timeout 200 python benchmarks/logprobs.py --rows 8192 --hidden 2560 --temperatures 1.0 \
         --out "$out/logprobs_h200_8k.json" 2>&1 | tail -7 ;;
-    tests-0.6b)   # the same co-located tests at the Qwen3-0.6B shape
-      MINIRL_GPU_SHAPE=qwen3-0.6b MINIRL_RESULTS_DIR=$out/tests_q06 timeout 300 python -m pytest tests/gpu -q \
-        -k "not varlen" 2>&1 | tail -15 | tee "$out/gpu_tests_q06.log" ;;
+    tests-0.6b|tests-4b|tests-smollm2)   # the same co-located tests at the Qwen3-0.6B / 4B shapes, or on SmolLM2-135M
+      shape=${stage#tests-}; [[ $shape == smollm2 ]] || shape=qwen3-$shape
+      MINIRL_GPU_SHAPE=$shape MINIRL_RESULTS_DIR=$out/tests_${stage#tests-} timeout 400 python -m pytest tests/gpu -q \
+        -k "not varlen" 2>&1 | tail -15 | tee "$out/gpu_tests_${stage#tests-}.log" ;;
     switch-old)   # the verified switch of the earlier commit in .old/ (eager, resident, as it ran)
       timeout 400 python benchmarks/switch.py --shape qwen3-4b --eager --settings resident-verified \
         --minirl-from "$PWD/.old" --out "$out/switch_4b_old.json" 2>&1 | tail -4 ;;

@@ -2,7 +2,10 @@
 
 Each side runs in a fresh process on the same device, one after the other, on the same
 workload: a random-init model of a real shape (benchmarks/models.py: the real 151,936-token
-vocabulary), the built-in `succ` task's prompts and reward, P prompts x G samples, completions
+vocabulary), the built-in `succ` task's prompts scored by DIGITS (the fraction of the completion's
+characters that are digits: the filler tokens of a random model's vocabulary, `<|f123|>`, hold
+3-6 of them, so rewards differ within every group, advantages are nonzero and every step moves
+the weights and syncs real changes), P prompts x G samples, completions
 of at most T tokens (a random model almost never samples its EOS, so nearly all are T long),
 bf16 compute with fp32 master weights, one optimizer step per batch, `--steps` steps.
 
@@ -72,14 +75,28 @@ class MemorySampler:
         return self.peak / 2**30
 
 
+def digit_fraction(prompt: str, completion: str, answer=None) -> float:
+    """The DIGITS reward: the fraction of the completion's characters that are digits (0 if empty)."""
+    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+
+
+def digits_task():
+    """`succ`'s prompts scored by digit_fraction (a task the launch scripts accept as --task digits)."""
+    from minirl import tasks
+    task = tasks.Task("digits", tasks.TASKS["succ"].make, digit_fraction)
+    tasks.TASKS.setdefault("digits", task)
+    return task
+
+
 def run_minirl(args, model: str) -> dict:
     import importlib.util
+    digits_task()                                         # before the launcher reads its --task choices
     sys.path.insert(0, str(ROOT / "launch"))              # for its `import common`
     spec = importlib.util.spec_from_file_location("colocated", ROOT / "launch" / "colocated.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     run_dir = Path(args.work) / f"minirl-{args.shape}-{args.max_tokens}-{int(time.time())}"   # a fresh metrics.jsonl
-    argv = ["--model", model, "--prompts", str(args.prompts), "--group-size", str(args.group_size),
+    argv = ["--model", model, "--task", "digits", "--prompts", str(args.prompts), "--group-size", str(args.group_size),
             "--max-tokens", str(args.max_tokens), "--max-model-len", str(args.max_tokens + 64),
             "--steps", str(args.steps), "--backends", "", "--run-dir", str(run_dir), *args.minirl_args]
     engine, seen = _record_engine_steps(mod), {}
@@ -105,7 +122,9 @@ def run_minirl(args, model: str) -> dict:
         n = args.prompts * args.group_size
         steps.append({"step_s": r["time"] - start, "sync_s": sync, "generate_s": r["time/rollouts"] - sync,
                       "train_s": r["time/train"], "generated_tokens": r["len/completion"] * n,
-                      "trained_tokens": (r["len/completion"] + r["len/prompt"]) * n, "loss": r["loss"]})
+                      "trained_tokens": (r["len/completion"] + r["len/prompt"]) * n, "loss": r["loss"],
+                      "reward": r["reward/mean"], "adv_abs_mean": r["adv/abs_mean"], "grad_norm": r["grad_norm"],
+                      "probe_gap": r.get("sync/probe_gap")})
     for s, e in zip(steps, engine):
         s.update(e)
     return {"argv": argv, "steps": steps, "peak_memory_gib": mem.stop(), **seen, "command":
@@ -200,9 +219,7 @@ def run_trl(args, model: str) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-    from minirl.tasks import get_task
-
-    task = get_task("succ")
+    task = digits_task()
     prompts, answers = task.sample(args.prompts * (args.steps + 1), seed=0)
     mb = args.trl_micro_batch
     n = args.prompts * args.group_size

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -182,7 +182,7 @@ def load_task(name: str, *, data=None, tokenizer=None, prompt_key: str | None = 
             raise ValueError(f"--task {name} is a built-in toy and takes no --data; dataset tasks: "
                              f"{sorted(DATA_TASKS)}")
         held = TASKS[name].sample(eval_size, seed=-1 - seed) if eval_size else ([], [])
-        return Task(name, TASKS[name].make, held_out=tuple(zip(*held)))
+        return replace(TASKS[name], held_out=tuple(zip(*held)))
     if name in GENERATED:
         if data is not None:
             raise ValueError(f"--task {name} makes its own problems and takes no --data")

@@ -47,7 +47,8 @@ def test_logprobs_benchmark_smoke(tmp_path):
 
 def test_step_benchmark_smoke(tmp_path):
     """minirl's side of the whole-step benchmark: every step's phases, its engine steps (one prefill
-    step, then a decode step per further token: at most 16) and what the plan chose."""
+    step, then a decode step per further token: at most 16), what the plan chose, and nonzero
+    advantages from the DIGITS reward on a random model (every step trains and syncs a change)."""
     out = tmp_path / "step.json"
     p = run_py(["benchmarks/step.py", "--shape", "tiny", "--prompts", "4", "--steps", "3", "--max-tokens", "16",
                 "--sides", "minirl", "--models-dir", str(tmp_path / "models"), "--work", str(tmp_path / "w"),
@@ -59,6 +60,8 @@ def test_step_benchmark_smoke(tmp_path):
         assert 2 <= s["engine_steps"] <= 16 and s["prefill_steps"] == 1 and s["max_batch_tokens"] > 4 * 8
         assert 0 < s["engine_s"] <= s["rollout_wall_s"] <= s["generate_s"] + s["sync_s"] and s["train_s"] > 0
         assert 0 < s["rollout_cpu_s"] and 0 <= s["gc_s"] < s["rollout_wall_s"]
+        assert 0 < s["reward"] < 1 and s["adv_abs_mean"] > 0 and s["grad_norm"] > 0   # the weights move
+    assert all(s["probe_gap"] is not None for s in side["steps"][1:])                 # and every sync is checked
     assert "| minirl |" in out.with_suffix(".md").read_text()
 
 
