@@ -37,6 +37,7 @@ MODELS = {
     "tiny-hd128": {"hidden_size": 256, "num_heads": 2},                 # head_dim 128
     "tiny-gqa": {"hidden_size": 256, "num_heads": 4, "num_kv_heads": 2},  # head_dim 64, GQA 2:1
     "q06-2l": "qwen3-0.6b",                                             # Qwen3-0.6B dims, 2 layers
+    "smollm2": None,                                                    # SmolLM2-135M-Instruct (head_dim 64, 9:3)
 }
 SETTINGS = {
     "eager": {"enforce_eager": True},
@@ -44,6 +45,7 @@ SETTINGS = {
     "full": {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL"}},
     "decode": {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}},
     "piecewise": {"compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}},
+    "decode-compiled": {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
     "full-split1": {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL"},
                     "attention_config": {"flash_attn_max_num_splits_for_cuda_graph": 1}},
 }
@@ -52,10 +54,9 @@ PROBE = "The quick brown fox jumps over the lazy dog. 0123456789 = 3+4"
 
 def build(name: str, root: Path, smollm2: str | None) -> str:
     path = root / name
-    if name == "smollm2":
-        if not smollm2:
-            raise SystemExit("--models smollm2 needs --smollm2 DIR (python -m minirl.packaged smollm2)")
-        return smollm2
+    if name == "smollm2":                              # the pretrained SmolLM2-135M-Instruct
+        from minirl.packaged import packaged_model
+        return smollm2 or str(packaged_model("smollm2"))
     if (path / "config.json").exists():
         return str(path)
     spec = MODELS[name]
@@ -88,7 +89,7 @@ def cell(model: str, setting: str) -> dict:
     kw = {"max_model_len": 256, "max_num_seqs": 64, "dtype": "bfloat16" if cuda else "float32",
           **SETTINGS[setting]}
     if cuda:
-        kw.update(gpu_memory_utilization=0.08, kv_cache_memory_bytes=1 << 30)
+        kw.update(gpu_memory_utilization=0.05, kv_cache_memory_bytes=1 << 30, max_num_seqs=256)
     t0 = time.perf_counter()
     llm = vc.build_llm(model, **vc.engine_kwargs(kw, sleep=False, seed=0, colocated=False))
     start_s = time.perf_counter() - t0
@@ -146,9 +147,10 @@ def cell(model: str, setting: str) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="tiny,tiny-hd128,tiny-gqa,q06-2l")
-    p.add_argument("--settings", default="eager,full,decode,full-split1")
-    p.add_argument("--extra", default="tiny:default,tiny:piecewise", help="more model:setting cells")
-    p.add_argument("--smollm2", default=None, help="the SmolLM2 folder, for --models smollm2")
+    p.add_argument("--settings", default="eager,full")
+    p.add_argument("--extra", default="tiny:default,tiny:decode,tiny:full-split1,tiny:piecewise,tiny:decode-compiled",
+                   help="more model:setting cells")
+    p.add_argument("--smollm2", default=None, help="the SmolLM2 folder (default: minirl.packaged's)")
     p.add_argument("--jobs", type=int, default=4)
     p.add_argument("--work", default="/tmp/engine_exact")
     p.add_argument("--timeout", type=float, default=400)
