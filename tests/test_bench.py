@@ -4,6 +4,8 @@ Their figures are not checked here (speed is for the GPU runs); what is checked:
 ran, every verified sync agreed with the trainer, and the markdown shows each setting."""
 
 import json
+import math
+from pathlib import Path
 
 from conftest import run_py
 
@@ -79,3 +81,23 @@ def test_train_phase_benchmark_smoke(tmp_path):
     for r in runs:
         assert len(r["steps"]) == 3 and {s["tokens"] for s in r["steps"]} == {16 * 32}
         assert r["median"]["step_s"] > 0 and r["mfu"] > 0
+
+
+def test_learning_smoke(tmp_path):
+    """minirl's side of the learning benchmark on the tiny model (arith without a chat template): two
+    steps with finite rewards on both clocks, the in-loop evaluation, the final policy as an HF folder,
+    and the one evaluator's pass@1 of the base and final models in [0, 1]."""
+    out = tmp_path / "learning"
+    p = run_py(["benchmarks/learning.py", "--out", str(out), "--model", "tiny", "--sides", "minirl", "--seeds", "0",
+                "--steps", "2", "--prompts", "4", "--group-size", "2", "--max-tokens", "8", "--eval-size", "4",
+                "--eval-every", "2", "--eval-samples", "2", "--timeout", "300"], timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((out / "learning.json").read_text())
+    run = doc["runs"]["minirl/0"]
+    assert [s["step"] for s in run["steps"]] == [1, 2] and "error" not in run
+    assert all(math.isfinite(s["reward"]) and 0 < s["wall_s"] and 0 < s["train_s"] <= s["wall_s"] for s in run["steps"])
+    assert [e["step"] for e in run["evals"]] == [0, 2] and run["startup_s"] > 0 and run["eval_in_loop_s"] > 0
+    assert (Path(run["final_dir"]) / "model.safetensors").exists() and (Path(run["final_dir"]) / "config.json").exists()
+    for ev in (doc["base_eval"], run["final_eval"]):
+        assert ev["prompts"] == 4 and all(0 <= ev[k] <= 1 for k in ("greedy_pass@1", "sampled_pass@1"))
+    assert "| minirl | 1 |" in (out / "learning.md").read_text() and (out / "learning.png").exists()
