@@ -245,7 +245,8 @@ def call(cmd: list[str], timeout: float) -> tuple[int | None, str, str]:
     """(returncode, None on timeout; stdout; stderr) of cmd in its own process group, killed whole on timeout."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        return p.returncode, *p.communicate(timeout=timeout)
+        out, err = p.communicate(timeout=timeout)
+        return p.returncode, out, err
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate()

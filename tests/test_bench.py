@@ -94,7 +94,7 @@ def test_learning_smoke(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads((out / "learning.json").read_text())
     run = doc["runs"]["minirl/0"]
-    assert [s["step"] for s in run["steps"]] == [1, 2] and "error" not in run
+    assert [s["step"] for s in run["steps"]] == [1, 2] and "error" not in run and run["returncode"] == 0
     assert all(math.isfinite(s["reward"]) and 0 < s["wall_s"] and 0 < s["train_s"] <= s["wall_s"] for s in run["steps"])
     assert [e["step"] for e in run["evals"]] == [0, 2] and run["startup_s"] > 0 and run["eval_in_loop_s"] > 0
     assert (Path(run["final_dir"]) / "model.safetensors").exists() and (Path(run["final_dir"]) / "config.json").exists()
