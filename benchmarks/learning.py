@@ -21,9 +21,10 @@ Then one evaluator judges the base model and every final one: HF transformers, f
 greedy and sampled (--eval-samples, temperature 1) pass@1 on the 180 held-out problems (never trained
 on), left-padded batches, stop at EOS, task.reward on the decoded completion.
 
-    python benchmarks/learning.py --out $OUT/learning                       # one H200: everything
-    python benchmarks/learning.py --out $OUT/learning --sides trl --seeds 1  # adds to learning.json
-    python benchmarks/learning.py --only-report $OUT/learning               # md and png again
+    python benchmarks/learning.py --out $OUT/learning                     # one H200: everything
+    python benchmarks/learning.py --out $OUT --work /tmp/lw --seeds 1      # one seed; models kept out of $OUT
+    python benchmarks/learning.py --out all --runs-from a/learning.json,b/learning.json   # merged, reported
+    python benchmarks/learning.py --only-report $OUT/learning             # md and png again
     python benchmarks/learning.py --out /tmp/l --model tiny --sides minirl --seeds 0 --steps 2 \\
         --prompts 4 --group-size 2 --max-tokens 8 --eval-size 4 --eval-every 2   # CPU smoke test
 
@@ -50,15 +51,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 WINDOW = 5          # steps in the training-reward means compared between the sides
-RUN_FLAGS = ("side", "seed", "eval_models", "out", "sides", "seeds", "timeout", "only_report", "runs_from")
+RUN_FLAGS = ("side", "seed", "eval_models", "out", "work", "sides", "seeds", "timeout", "only_report", "runs_from")
 SAME = ("model", "steps", "prompts", "group_size", "max_tokens", "max_model_len", "lr", "eval_size")
 
 
-def resolve_model(name: str, out: Path) -> str:
-    """'tiny': minirl's tiny model built in OUT; a packaged name (smollm2): its folder; else a path."""
+def resolve_model(name: str, work: Path) -> str:
+    """'tiny': minirl's tiny model built in WORK; a packaged name (smollm2): its folder; else a path."""
     if name == "tiny":
         from minirl.tiny import build_tiny_model
-        return str(build_tiny_model(out / "tiny-model"))
+        return str(build_tiny_model(work / "tiny-model"))
     try:
         from minirl.packaged import resolve_model as packaged
     except ImportError:
@@ -86,7 +87,7 @@ def run_minirl(args, model: str) -> dict:
     spec = importlib.util.spec_from_file_location("colocated", ROOT / "launch" / "colocated.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    run_dir = Path(args.out) / f"minirl-{args.seed}"
+    run_dir = Path(args.work) / f"minirl-{args.seed}"
     shutil.rmtree(run_dir, ignore_errors=True)       # a fresh metrics.jsonl
     final = run_dir / "final"
     argv = ["--model", model, "--task", "arith", "--eval-size", str(args.eval_size), "--eval-every",
@@ -149,7 +150,7 @@ def run_trl(args, model: str) -> dict:
     per_step = minirl_prompts(task, args)
     prompts = [p for ps, _ in per_step for p in ps]
     answers = [a for _, ans in per_step for a in ans]
-    changes, final = trl_changes(args), Path(args.out) / f"trl-{args.seed}" / "final"
+    changes, final = trl_changes(args), Path(args.work) / f"trl-{args.seed}" / "final"
     config = GRPOConfig(output_dir=str(final.parent), **{**changes, "model_init_kwargs": {"dtype": torch.float32}})
     assert (config.generation_batch_size, config.steps_per_generation, config.num_iterations) == (
         args.prompts * args.group_size, 1, 1), "TRL would not take one optimizer step per 32 x 8 batch"
@@ -255,8 +256,8 @@ def call(cmd: list[str], timeout: float) -> tuple[int | None, str, str]:
 
 def one_run(args, model: str, side: str, seed: int) -> dict:
     t0 = time.time()
-    rc, out, err = call([sys.executable, __file__, *sys.argv[1:], "--model", model, "--side", side, "--seed",
-                         str(seed)], args.timeout)
+    rc, out, err = call([sys.executable, __file__, *sys.argv[1:], "--model", model, "--work", args.work,
+                         "--side", side, "--seed", str(seed)], args.timeout)
     line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
     run = json.loads(line[7:]) if line else {"error": out[-2000:] + err[-6000:]}
     run.update(side=side, seed=seed, process_s=time.time() - t0, returncode=rc)
@@ -418,7 +419,8 @@ def plot(doc: dict, ok: dict, path: Path) -> None:
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
-    add("--out", help="OUTDIR: learning.json / .md / .png and the runs' folders")
+    add("--out", help="OUTDIR: learning.json / .md / .png")
+    add("--work", help="the runs' folders and final models (default: OUTDIR)")
     add("--model", default="smollm2", help="HF folder, a packaged name (smollm2) or 'tiny' (minirl's, built here)")
     add("--sides", default="minirl,trl")
     add("--seeds", default="0,1,2")
@@ -454,7 +456,8 @@ def main():
     if args.only_report:
         return report(json.loads((out / "learning.json").read_text()), out)
     out.mkdir(parents=True, exist_ok=True)
-    model = args.model if args.runs_from else resolve_model(args.model, out)
+    args.work = args.work or str(out)
+    model = args.model if args.runs_from else resolve_model(args.model, Path(args.work))
     workload = {**{k: v for k, v in vars(args).items() if k not in RUN_FLAGS}, "model": model}
     doc = {"workload": workload, "device": None, "runs": {}}
     paths = [x for x in (out / "learning.json", *filter(None, args.runs_from.split(","))) if Path(x).exists()]
