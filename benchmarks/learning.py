@@ -107,7 +107,12 @@ def run_minirl(args, model: str) -> dict:
             if Path(model, f).exists() and not (final / f).exists():
                 shutil.copy(Path(model, f), final / f)
         return real_close(wm)
-    mod.common.select, mod.WeightManager.close = select, close
+    drawn, real_workload = [], mod.workload
+
+    def workload(task, env):                         # what the loop samples, to check TRL's dataset against
+        episode, sample = real_workload(task, env)
+        return episode, lambda n, seed: drawn.append(sample(n, seed=seed)) or drawn[-1]
+    mod.common.select, mod.WeightManager.close, mod.workload = select, close, workload
     mod.common.main(mod.run, mod.common.parse_args(mod.__doc__, str(run_dir), argv))
     rows = []
     for r in map(json.loads, open(run_dir / "metrics.jsonl")):
@@ -117,7 +122,7 @@ def run_minirl(args, model: str) -> dict:
         elif "eval/pass@1" in r:
             rows.append({k: v for k, v in r.items() if k in ("step", "time") or k.startswith("eval/")})
     return {"command": shlex.join(["python", "launch/colocated.py", *argv]), "begin": begin[0], "rows": rows,
-            "final_dir": str(final)}
+            "final_dir": str(final), "prompt_order_ok": drawn == minirl_prompts(arith(model, args, args.seed), args)}
 
 
 def trl_changes(args) -> dict:

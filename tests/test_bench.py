@@ -97,6 +97,7 @@ def test_learning_smoke(tmp_path):
     assert [s["step"] for s in run["steps"]] == [1, 2] and "error" not in run and run["returncode"] == 0
     assert all(math.isfinite(s["reward"]) and 0 < s["wall_s"] and 0 < s["train_s"] <= s["wall_s"] for s in run["steps"])
     assert [e["step"] for e in run["evals"]] == [0, 2] and run["startup_s"] > 0 and run["eval_in_loop_s"] > 0
+    assert run["prompt_order_ok"]       # the prompts it trained on are the ones TRL's dataset would hold
     assert (Path(run["final_dir"]) / "model.safetensors").exists() and (Path(run["final_dir"]) / "config.json").exists()
     for ev in (doc["base_eval"], run["final_eval"]):
         assert ev["prompts"] == 4 and all(0 <= ev[k] <= 1 for k in ("greedy_pass@1", "sampled_pass@1"))
