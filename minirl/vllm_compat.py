@@ -55,10 +55,8 @@ class ManagedLLM(LLM):
 def engine_kwargs(user: dict, *, sleep: bool, seed: int, colocated: bool = True) -> dict:
     """The user's LLM kwargs over in-process defaults: the seed; processed log-probs (they include
     temperature, as get_logprobs(..., temperature=T)); co-located, external_launcher (else an error);
-    on CUDA sleep mode when asked, and torch.compile with CUDA graphs: on Hopper full graphs for
-    every step (FULL_GRAPHS_ON), elsewhere vLLM's own (full graphs for decode steps, piecewise ones
-    for steps that mix prefill and decode); a compilation_config of the user's, or enforce_eager=True
-    for no graphs, wins; on CPU eager and a small KV cache."""
+    on CUDA sleep mode when asked (build_llm adds the CUDA-graph mode, which depends on the model:
+    default_compilation); on CPU eager and a small KV cache."""
     kw = {"logprobs_mode": "processed_logprobs", "seed": seed, **user}
     if colocated:
         backend = kw.setdefault("distributed_executor_backend", "external_launcher")
@@ -75,10 +73,21 @@ def engine_kwargs(user: dict, *, sleep: bool, seed: int, colocated: bool = True)
         return kw
     if sleep:
         kw.setdefault("enable_sleep_mode", True)
-    if ("compilation_config" not in kw and not kw.get("enforce_eager") and not kw.get("enable_lora")
-            and torch.cuda.get_device_capability()[0] in FULL_GRAPHS_ON):   # adapters: not measured under FULL
-        kw["compilation_config"] = {"cudagraph_mode": "FULL"}
     return kw
+
+
+def default_compilation(kw: dict, head_dim: int, capability: tuple[int, int]) -> dict | None:
+    """The compilation_config build_llm gives a CUDA engine whose kwargs name none (None: vLLM's
+    own mode). enforce_eager, adapter serving (not measured under full graphs) and a user's
+    compilation_config keep theirs. On Hopper (FULL_GRAPHS_ON) full CUDA graphs for every step,
+    those that mix prefill and decode too, where they compute what eager does (FULL_GRAPHS_HEAD_DIMS);
+    for other head sizes full graphs for decode steps only, the others compiled without graphs.
+    Elsewhere vLLM's own mode (full graphs for decode, piecewise ones for mixed steps)."""
+    if "compilation_config" in kw or kw.get("enforce_eager") or kw.get("enable_lora"):
+        return None
+    if capability[0] not in FULL_GRAPHS_ON:
+        return None
+    return {"cudagraph_mode": "FULL" if head_dim in FULL_GRAPHS_HEAD_DIMS else "FULL_DECODE_ONLY"}
 
 
 FULL_GRAPHS_ON = (9,)
@@ -87,15 +96,37 @@ captures full CUDA graphs for steps that mix prefill and decode too, which episo
 continuous batching run all the time. Measured on one H200 (Qwen3-0.6B shape, 195k sampled tokens):
 a raw llm.generate 11.9 s under vLLM's own mode, 7.8 s under FULL (benchmarks/results/2026-12-02-b)."""
 
+FULL_GRAPHS_HEAD_DIMS = (128,)
+"""Head sizes at which vLLM 0.22's FlashAttention 3 replays steps that hold a prefill from a full
+CUDA graph exactly (benchmarks/engine_exact.py on one H200, benchmarks/results/2026-12-04-c: prompt
+log-probs within 0.002-0.005 of HF's at head_dim 128, as eager). At head_dim 64 the replayed
+prefill attention is wrong (random Qwen3 models: 0.13 / 0.20 mean error on prompt log-probs, 0.001
+eager; sampled tokens unaffected) and on SmolLM2-135M the capture of those graphs fails (an illegal
+memory access in FlashAttention's split-KV combine kernel); decode-only graphs are exact there."""
+
 
 def build_llm(model: str, **kwargs) -> ManagedLLM:
+    """A ManagedLLM of `model` with `kwargs` (engine_kwargs' output), plus on CUDA the CUDA-graph mode
+    default_compilation picks for the model's head size."""
     if ON_CPU:   # else vLLM drops this process (and so its trainer) to one torch thread
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    else:
+        mode = default_compilation(kwargs, head_dim(model, kwargs.get("trust_remote_code", False)),
+                                   torch.cuda.get_device_capability())
+        kwargs = kwargs if mode is None else {**kwargs, "compilation_config": mode}
     llm = ManagedLLM(model=model, **kwargs)
     # every weight load resets the prefix cache (each co-located step): not an INFO line each time
     # (set after the engine is built: building it reconfigures vLLM's loggers)
     logging.getLogger("vllm.v1.core.block_pool").setLevel(logging.WARNING)
     return llm
+
+
+def head_dim(model: str, trust_remote_code: bool = False) -> int:
+    """The attention head size of a Hugging Face model (its config's head_dim, else hidden / heads)."""
+    from transformers import AutoConfig
+    cfg = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
 
 
 def get_worker(llm: LLM):

@@ -134,22 +134,22 @@ def test_bad_arguments_fail_before_any_work(tiny_model, kwargs, err, msg):
         WeightManager(kwargs.pop("model"), **kwargs)
 
 
-def test_engine_compiles_full_graphs_on_hopper_only(monkeypatch):
-    """CUDA graphs for every step where the attention backend captures mixed steps (Hopper), vLLM's
-    own mode elsewhere; the user's compilation_config, enforce_eager or adapter serving win."""
-    import torch
-    cap = [(9, 0)]
-    monkeypatch.setattr(vc, "ON_CPU", False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cap[0])
-    kw = lambda **user: vc.engine_kwargs(user, sleep=False, seed=0, colocated=False)
-    assert kw()["compilation_config"] == {"cudagraph_mode": "FULL"}
-    assert kw(compilation_config={"mode": 0})["compilation_config"] == {"mode": 0}
-    assert "compilation_config" not in kw(enforce_eager=True)
-    assert "compilation_config" not in kw(enable_lora=True)
+def test_engine_graph_mode_by_device_and_head_size(tiny_model, tmp_path):
+    """Full CUDA graphs for every step on Hopper where they are exact (head_dim 128), decode-only
+    graphs there for other head sizes (head_dim 64: wrong prefill attention under full graphs),
+    vLLM's own mode elsewhere; a user's compilation_config, enforce_eager or adapter serving win."""
+    from minirl.tiny import build_tiny_model
+    mode = vc.default_compilation
+    assert mode({}, 128, (9, 0)) == {"cudagraph_mode": "FULL"}
+    assert mode({}, 64, (9, 0)) == {"cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert mode({}, 256, (9, 0)) == {"cudagraph_mode": "FULL_DECODE_ONLY"}
     for other in [(8, 0), (10, 0), (12, 0)]:
-        cap[0] = other
-        assert "compilation_config" not in kw(), other
+        assert mode({}, 128, other) is None, other
+    for user in ({"compilation_config": {"mode": 0}}, {"enforce_eager": True}, {"enable_lora": True}):
+        assert mode(user, 128, (9, 0)) is None, user
+    assert "compilation_config" not in vc.engine_kwargs({}, sleep=False, seed=0, colocated=False)
+    assert vc.head_dim(tiny_model) == 64                                   # hidden 128 / 2 heads
+    assert vc.head_dim(str(build_tiny_model(tmp_path / "m", hidden_size=256, num_heads=2))) == 128
 
 
 def test_model_directory_without_config(tmp_path):
