@@ -204,13 +204,14 @@ def run_eval(args, models: dict[str, str]) -> None:
     for name, path in models.items():
         t = time.time()
         tok = AutoTokenizer.from_pretrained(path, padding_side="left")
+        if tok.pad_token is None:                  # a folder converted before minirl.packaged set one
+            tok.pad_token = tok.eos_token
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
         torch.manual_seed(0)
         res = {"name": name, "model": path, "prompts": len(held)}
         for kind, n in (("greedy", 1), ("sampled", args.eval_samples)):
             cfg = GenerationConfig(max_new_tokens=args.max_tokens, do_sample=n > 1, num_return_sequences=n,
-                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id if
-                                   tok.pad_token_id is not None else tok.eos_token_id,
+                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                                    **({"temperature": 1.0, "top_k": 0, "top_p": 1.0} if n > 1 else {}))
             hits, lengths = [], []
             for i in range(0, len(held), args.eval_batch):
