@@ -34,7 +34,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-CONVERSION = 1
+CONVERSION = 2
 """Version of the conversion below: a cached folder made by another one is converted again."""
 MARKER = ".minirl-packaged.json"
 """Written last into a converted folder: the GGUF's sha256 and CONVERSION. No marker, no folder."""
@@ -187,6 +187,8 @@ def convert(gguf: Path, out: Path) -> None:
     model = type(loaded)(config)
     model.load_state_dict(loaded.state_dict())
     model.to(torch.bfloat16).save_pretrained(out)
+    if tokenizer.pad_token is None:     # transformers 5.17 reads none from the GGUF (5.19 does): the
+        tokenizer.pad_token = tokenizer.eos_token      # original checkpoint pads with its eos, <|im_end|>
     tokenizer.save_pretrained(out)
 
 

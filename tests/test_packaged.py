@@ -64,6 +64,7 @@ def test_folder_is_a_llama_in_bf16_with_chat_tokenizer(smollm2):
     assert "<|im_start|>assistant" in (smollm2 / "chat_template.jinja").read_text()
     tok = AutoTokenizer.from_pretrained(smollm2)
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == config.eos_token_id == 2
+    assert tok.pad_token == "<|im_end|>"                        # batched generation pads with it
     assert tok("hi")["input_ids"] == [6004]                     # no BOS added
     marker = json.loads((smollm2 / packaged.MARKER).read_text())
     assert marker["gguf_sha256"] == SPEC.gguf_sha256 and marker["conversion"] == packaged.CONVERSION
