@@ -343,9 +343,18 @@ def report(doc: dict, out: Path) -> None:
     for side, evs in final.items():
         if not ok[side]:
             continue
-        md.append(f"| {side} | {len(ok[side])} | {base.get('greedy_pass@1', float('nan')):.3f} | "
-                  f"{spread([e['greedy_pass@1'] for e in evs])} | {base.get('sampled_pass@1', float('nan')):.3f} | "
+        num = lambda k: f"{base[k]:.3f}" if k in base else "-"
+        md.append(f"| {side} | {len(ok[side])} | {num('greedy_pass@1')} | "
+                  f"{spread([e['greedy_pass@1'] for e in evs])} | {num('sampled_pass@1')} | "
                   f"{spread([e['sampled_pass@1'] for e in evs])} |")
+    own = {s: [[e for e in r["evals"] if "eval/pass@1" in e] for r in runs] for s, runs in ok.items()}
+    for side, evals in own.items():
+        if evals and all(evals):                   # the run's own evaluator (minirl: vLLM, every --eval-every)
+            md.append(f"\n{side}'s in-loop held-out evaluation (vLLM, greedy / sampled pass@1): step "
+                      f"{evals[0][0]['step']}: {spread([ev[0]['eval/pass@1'] for ev in evals])} / "
+                      f"{spread([ev[0]['eval/sampled_pass@1'] for ev in evals])}; step {evals[0][-1]['step']}: "
+                      f"{spread([ev[-1]['eval/pass@1'] for ev in evals])} / "
+                      f"{spread([ev[-1]['eval/sampled_pass@1'] for ev in evals])} (mean (min-max) over seeds).")
     md += [f"\n| run | start-up s | training s | in-loop eval s | process s | last {WINDOW}-step reward |",
            "|---|---:|---:|---:|---:|---:|"]
     for key, r in sorted(doc["runs"].items()):
@@ -403,21 +412,29 @@ def plot(doc: dict, ok: dict, path: Path) -> None:
         ax[0].fill_between(steps, [min(c) for c in cols], [max(c) for c in cols], color=f"C{i}", alpha=0.2)
         seconds = [statistics.mean(r["steps"][k]["train_s"] for r in runs) for k in range(n)]
         ax[1].plot(seconds, mean, color=f"C{i}", label=side)
+        evals = [[e for e in r["evals"] if "eval/pass@1" in e] for r in runs]
+        k = min(map(len, evals))
+        if k:                                      # the run's own held-out evaluation (minirl: vLLM greedy)
+            ax[2].plot([evals[0][j]["step"] for j in range(k)],
+                       [statistics.mean(ev[j]["eval/pass@1"] for ev in evals) for j in range(k)],
+                       "-", color=f"C{i}", label=f"{side}, in-loop greedy (mean)")
         evs = [r["final_eval"] for r in runs if "final_eval" in r]
-        for j, kind in enumerate(("greedy", "sampled") if evs else ()):
-            xs = [e[f"{kind}_pass@1"] for e in evs]
+        if evs:                                    # the common evaluator after training (HF fp32 greedy)
+            xs = [e["greedy_pass@1"] for e in evs]
             m = statistics.mean(xs)
-            ax[2].errorbar([j + 0.15 * (i + 1)], [m], yerr=[[m - min(xs)], [max(xs) - m]], fmt="o", color=f"C{i}",
-                           label=None if j else f"{side} after (mean, min-max)")
+            ax[2].errorbar([steps[-1] + i], [m], yerr=[[m - min(xs)], [max(xs) - m]], fmt="o", color=f"C{i}",
+                           label=f"{side} after, HF greedy (mean, min-max)")
     base = doc.get("base_eval")
     if base:
-        ax[2].plot([0, 1], [base["greedy_pass@1"], base["sampled_pass@1"]], "ks", label="base model")
-    ax[2].set_xticks([0.15, 1.15], ["greedy pass@1", "sampled pass@1"])
+        ax[2].plot([0], [base["greedy_pass@1"]], "ks", label="base model, HF greedy")
+    ax[2].set_ylim(0, 1)
     for a, (x, title) in zip(ax, (("step", "training reward (mean, min-max over seeds)"),
-                                 ("training seconds", "training reward vs wall time"), ("", "held-out accuracy"))):
+                                 ("training seconds", "training reward vs wall time"),
+                                 ("step", "held-out greedy pass@1 (180 problems)"))):
         a.set_xlabel(x)
         a.set_title(title)
-        a.legend()
+        if a.get_legend_handles_labels()[0]:
+            a.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
