@@ -118,7 +118,8 @@ def run_minirl(args, model: str) -> dict:
     for r in map(json.loads, open(run_dir / "metrics.jsonl")):
         if "reward/mean" in r:
             rows.append({"step": r["step"], "time": r["time"], "reward": r["reward/mean"],
-                         "rollouts_s": r["time/rollouts"], "update_s": r["time/train"]})
+                         "rollouts_s": r["time/rollouts"], "update_s": r["time/train"],
+                         "probe_gap": r.get("sync/probe_gap"), "sync_s": r.get("sync/sync_s")})
         elif "eval/pass@1" in r:
             rows.append({k: v for k, v in r.items() if k in ("step", "time") or k.startswith("eval/")})
     return {"command": shlex.join(["python", "launch/colocated.py", *argv]), "begin": begin[0], "rows": rows,

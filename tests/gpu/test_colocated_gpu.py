@@ -15,8 +15,9 @@ Environment:
   MINIRL_GPU_UTIL      vLLM gpu_memory_utilization (default 0.3)
   MINIRL_GPU_LR        learning rate (default 1e-3 for tiny, 1e-4 otherwise)
   MINIRL_GPU_EAGER     1: an eager engine (default 0: the default engine, compiled with CUDA graphs)
-  MINIRL_GPU_PROBE_TOL the largest probe gap a sync may show (default 0.05 for a bf16 engine, half
-                       the library's 0.1; 2e-3 for fp32)
+  MINIRL_GPU_PROBE_TOL the largest probe gap a sync may show (bf16 engine: 0.05 for the random
+                       shapes, half the library's 0.1; the library's 0.1 for smollm2, whose correct
+                       bf16 gap is 0.05-0.07 (benchmarks/results/2026-12-04-c); 2e-3 for fp32)
   MINIRL_RESULTS_DIR   if set, each test writes <test name>.json of what it observed there
 
 The tests share one WeightManager (the module fixture `gpu_wm`) and run in file order. The
@@ -98,7 +99,8 @@ def record(request):
 def probe_tolerance(wm) -> float:
     tol = wm.config.probe_tolerance
     if tol is None:
-        tol = 2e-3 if wm.engine_dtype == torch.float32 else float(os.environ.get("MINIRL_GPU_PROBE_TOL", 0.05))
+        bf16 = 0.1 if gpu_shape() == "smollm2" else 0.05       # a pretrained model's peaked log-probs
+        tol = 2e-3 if wm.engine_dtype == torch.float32 else float(os.environ.get("MINIRL_GPU_PROBE_TOL", bf16))
     return tol
 
 
