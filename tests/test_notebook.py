@@ -4,12 +4,15 @@ Needs: CPU only, nbclient + ipykernel (the `dev` extra). The kernel is this inte
 (sys.executable, i.e. the venv's python), through a kernelspec written into a temp dir, so it
 works on a fresh clone with no kernel registered anywhere. The notebook starts its own private
 local Ray cluster and shuts it down in its last cell (and the cluster dies with the kernel
-anyway). Slow: ~1 min on a 2-core machine.
+anyway). The notebook's files (tiny model, metrics) live in a temporary directory that its last
+cell removes; the test checks the printed lines and that the directory is gone. Slow: ~1.5 min
+on a 2-core machine.
 """
 
 import math
 import os
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -48,7 +51,12 @@ def test_driver_notebook_runs_headless(tmp_path):
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     steps = re.findall(r"^step (\d+): reward (\S+)", text, re.M)
     assert [int(s) for s, _ in steps] == list(range(1, len(steps) + 1)) and len(steps) >= 5, text
-    last = float(re.search(r"final reward: (\S+)", text).group(1))
+    final = re.search(r"^final reward: (\S+) \(step 1: (\S+)\) after (\d+) steps; (\S+) removed$", text, re.M)
+    assert final, text
+    last, first, n, work = float(final[1]), float(final[2]), int(final[3]), Path(final[4])
     assert math.isfinite(last) and abs(last - float(steps[-1][1])) < 1e-3, text
+    assert abs(first - float(steps[0][1])) < 1e-3 and n == len(steps), text
+    assert work.name.startswith("minirl-notebook-") and work.parent == Path(tempfile.gettempdir()), work
+    assert not work.exists(), f"the notebook left {work} behind"
     assert any("image/png" in o.get("data", {}) for o in outputs
                if o.output_type in ("display_data", "execute_result"))
