@@ -1,9 +1,9 @@
 """Training-metric logging: `Tracker.log(metrics, step)` goes to a tqdm bar, TensorBoard, W&B or MLflow,
 and always to run_dir/metrics.jsonl, appended (a resumed run continues it; with start_step, its records
-of steps >= start_step, logged after the checkpoint it resumes from, are dropped first): per call "step", unix
-"time", then the metrics as plain ints/floats, non-finite ones null with their keys in "nonfinite" (the
-other backends get the raw float). run_dir also holds config.json (the `config` dict) and tb/. Only
-rank 0 writes; CPU, any machine.
+of steps >= start_step, logged after the checkpoint it resumes from, are dropped first, and the bar
+starts at start_step - 1): per call "step", unix "time", then the metrics as plain ints/floats,
+non-finite ones null with their keys in "nonfinite" (the other backends get the raw float). run_dir
+also holds config.json (the `config` dict) and tb/. Only rank 0 writes; CPU, any machine.
 
     with Tracker("runs/gsm8k", total_steps=200, config=cfg) as tracker:
         for step in range(1, 201):      # the bar's position is `step`: count from 1
@@ -88,7 +88,8 @@ class Tracker(contextlib.AbstractContextManager):
                 self._mlflow.log_params({_mlflow_key(k): str(v) for k, v in _flatten(config).items()})
         if console:
             from tqdm.auto import tqdm
-            self._bar = tqdm(total=total_steps, desc=run_name or self.run_dir.name, dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=max((start_step or 1) - 1, 0),   # resumed: from there
+                             desc=run_name or self.run_dir.name, dynamic_ncols=True)
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:

@@ -94,6 +94,9 @@ def test_console_bar(tmp_path, capsys):
     with _tracker(tmp_path, console=False) as t:
         t.log({"loss": 1.0}, step=1)
     assert capsys.readouterr() == ("", "")
+    with _tracker(tmp_path, console=True, total_steps=30, start_step=11) as t:   # resumed from step 10
+        assert t._bar.n == 10
+    assert "10/30" in capsys.readouterr().err
 
 
 def test_tensorboard_scalars(tmp_path):
