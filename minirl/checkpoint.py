@@ -255,6 +255,11 @@ def tokenizer_hash(model_dir: str) -> str | None:
     return h.hexdigest()[:12]
 
 
+def saved_step(path: str | os.PathLike) -> int:
+    """The step a complete checkpoint holds, read from its state.json alone (no checksums: cheap)."""
+    return json.loads((Path(path) / "state.json").read_text())["step"]
+
+
 def read_state(path: str | os.PathLike) -> dict:
     """A checkpoint's {"step", "state", "objects", "path"} without any model (for an async generator)."""
     path = verify(path)
