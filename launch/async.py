@@ -22,7 +22,8 @@ def train(args, worker: TrainWorker, log, ckpt=None, start=1, evaluate=None):
     t1 = time.perf_counter()
     for step, batches in enumerate(worker.pull_rollouts(), start):   # <= max_staleness versions old
         t2 = time.perf_counter()
-        metrics = common.train_step(worker.trainer, batches, args, step, off_policy="tis")   # stale tokens
+        metrics = common.train_step(worker.trainer, batches, args, step, off_policy="tis",   # stale tokens
+                                    max_staleness=args.max_staleness)
         worker.sync_weights()                                   # push weights to the generators
         t3 = time.perf_counter()
         log(step, common.with_timings(metrics, worker, t2 - t1, t3 - t2))

@@ -179,11 +179,12 @@ def llm_kwargs(args) -> dict:
     return {**kw, "enforce_eager": True} if args.eager else kw
 
 
-def train_step(trainer, batches, args, step: int, *, off_policy: str = "none") -> dict:
+def train_step(trainer, batches, args, step: int, *, off_policy: str = "none", max_staleness: int | None = None) -> dict:
     """GRPO advantages, then args.epochs passes over the batch, each in args.optim_steps optimizer
     steps of accumulated packed micro-batches; every loss is the token mean over the global
     batch. off_policy (--off-policy overrides): "none" PPO against the sampler, "tis" / "mis" the
-    decoupled loss (minirl.offpolicy). Returns the step's metrics (token means over every rank)."""
+    decoupled loss (minirl.offpolicy). max_staleness: the async loop's bound, given to log the
+    staleness histogram (async/...). Returns the step's metrics (token means over every rank)."""
     import torch
     from minirl import filters
     staleness = trainer.policy_version - min(b.policy_version for b in batches)   # versions behind
@@ -216,7 +217,7 @@ def train_step(trainer, batches, args, step: int, *, off_policy: str = "none") -
             "len/prompt": sum(len(r.prompt_ids) for r in rollouts) / len(rollouts),
             "len/truncated": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts), **shaped,
             **{k: mean[k] for k in ("is_weight",) if k in mean},
-            **staleness_metrics(rollouts, trainer.policy_version, getattr(args, "max_staleness", 0))}
+            **({} if max_staleness is None else staleness_metrics(rollouts, trainer.policy_version, max_staleness))}
 
 
 def make_task(args):

@@ -3,6 +3,7 @@ status 2 and a message naming the flag and its valid range. Also: the cluster's 
 on loopback only. CPU only, no engine; a few seconds."""
 
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,28 @@ def test_cluster_dashboard_is_loopback_only():
     cfg = yaml.safe_load((ROOT / "launch" / "cluster.yaml").read_text())
     head = " ".join(cfg["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in (ROOT / "launch" / "cluster.yaml").read_text()
+
+
+class _Trainer:
+    """What train_step asks of a Trainer, with fixed numbers."""
+    policy_version, config = 3, types.SimpleNamespace(reference=False)
+    rebalance = staticmethod(list)
+
+    def forward_backward(self, rollouts, loss_fn):
+        return dict.fromkeys(("loss", "clip_frac", "approx_kl", "entropy", "ratio", "tokens"), 0.0)
+
+    def optim_step(self):
+        return {"grad_norm": 0.0}
+
+
+def test_staleness_metrics_only_in_the_async_loop():
+    from minirl.data import Rollout, RolloutBatch
+    batch = lambda: [RolloutBatch([Rollout([1], [2], [-1.0], reward=float(i), policy_version=2) for i in range(2)])]
+    args = common.parse_args("doc", "runs/x", [])
+    colocated = common.train_step(_Trainer(), batch(), args, 1)
+    asynchronous = common.train_step(_Trainer(), batch(), args, 1, max_staleness=1)
+    assert not [k for k in colocated if k.startswith("async/")] and colocated["staleness"] == 1
+    assert sorted(set(asynchronous) - set(colocated)) == [
+        "async/rollouts_spanning_versions", "async/staleness_0", "async/staleness_1", "async/staleness_max",
+        "async/staleness_mean", "async/staleness_over"]
+    assert asynchronous["async/staleness_1"] == 2

@@ -220,6 +220,7 @@ def test_gsm8k_run_logs_evaluation(tmp_path):
     for r in steps:
         assert r["dynsamp/rounds"] in (1, 2) and r["overlong/penalty_mean"] <= 0
         assert r["len/prompt"] > 80              # the question plus the GSM8K instruction
+        assert not [k for k in r if k.startswith("async/")]     # co-located: no staleness to report
     assert (run / "reward_curve.png").exists()
 
 
@@ -236,6 +237,7 @@ def test_async_run_evaluates_on_a_generator(tmp_path):
     evals = [r for r in recs if "eval/pass@1" in r]
     assert [r["step"] for r in evals] == [1, 2] and [r["eval/policy_version"] for r in evals] == [1, 2]
     assert all(r["eval/prompts"] == 4 and 0 <= r["eval/pass@2"] <= 1 for r in evals)
+    assert all("async/staleness_0" in r for r in recs if "loss" in r)
 
 
 def test_gsm8k_recipe_rows_and_flags(tmp_path):
