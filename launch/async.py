@@ -9,12 +9,17 @@ The training block and the command line are launch/common.py's, shared by both l
 where rollouts come from differs (`diff launch/colocated.py launch/async.py`). Default: a tiny
 random Qwen3 and the built-in `succ` task ("7+1=" -> "8"), where a random model scores ~1/64.
 Writes RUN_DIR/metrics.jsonl, TensorBoard logs and reward_curve.png. Hardware: CPU, GPU pools.
+How a run ends (errors, Ctrl-C, --resume): common.main.
 """
 
-import time
-
 import common
-from actors.training import TrainWorker
+
+if __name__ == "__main__":          # the command line and the run's inputs, checked before torch and Ray load
+    args, task = common.start(__doc__, "runs/async", async_loop=True)
+
+import time                         # noqa: E402
+
+from actors.training import TrainWorker       # noqa: E402
 
 
 def train(args, worker: TrainWorker, log, ckpt=None, start=1, evaluate=None):
@@ -34,20 +39,17 @@ def train(args, worker: TrainWorker, log, ckpt=None, start=1, evaluate=None):
         t1 = time.perf_counter()
 
 
-def run(args):
-    """Build the TrainWorker (and the generation side, by --role), train, plot."""
-    if args.dynamic_sampling or (args.eval_every and args.role != "both"):
-        raise SystemExit("--dynamic-sampling is co-located only; --eval-every needs both roles in one job "
-                         "(the trainer evaluates on the server's generators)")
-    srv = common.start_server(args)                             # --role server: the whole job
+def run(args, task):
+    """Build the TrainWorker (and the generation side, by --role), train, plot; both stopped on any exit.
+    task: common.prepare's (made and checked before any model; None for --role trainer)."""
+    srv = common.start_server(args, task)                       # --role server: the whole job
     if args.role == "server":
         return
-    worker = common.train_worker(args)
-    ckpt, start = common.resumed(args, worker)
-    with common.tracked(args, worker.trainer, start) as log:
-        train(args, worker, log, ckpt, start, common.evaluator(args, srv))
-    common.finish(worker, srv)
+    with common.train_worker(args, srv) as worker:
+        ckpt, start = common.resumed(args, worker)
+        with common.tracked(args, worker.trainer, start) as log:
+            train(args, worker, log, ckpt, start, common.evaluator(args, srv, task))
 
 
 if __name__ == "__main__":
-    common.main(run, common.parse_args(__doc__, "runs/async"))
+    common.main(run, args, task)

@@ -9,21 +9,24 @@ where rollouts come from differs (`diff launch/colocated.py launch/async.py`). D
 random Qwen3 and the built-in `succ` task ("7+1=" -> "8"), where a random model scores ~1/64.
 Real data: `--task gsm8k --data train.jsonl --eval-size 200 --eval-every 10` (math, code alike;
 README: the recipe). Writes RUN_DIR/metrics.jsonl, TensorBoard logs and reward_curve.png (held-out
-pass@k beside the reward). Hardware: CPU, or GPUs.
+pass@k beside the reward). Hardware: CPU, or GPUs. How a run ends (errors, Ctrl-C, --resume): common.main.
 """
 
-import time
-from functools import partial
-
 import common
-from minirl import WeightManager
-from minirl.envs import workload
-from minirl.episodes import run_episodes
+
+if __name__ == "__main__":          # the command line and the run's inputs, checked before torch and vLLM load
+    args, task = common.start(__doc__, "runs/colocated")
+
+import time                         # noqa: E402
+from functools import partial       # noqa: E402
+
+from minirl import WeightManager    # noqa: E402
+from minirl.envs import workload              # noqa: E402
+from minirl.episodes import run_episodes      # noqa: E402
 
 
-def train(args, wm: WeightManager, log, ckpt=None, start=1):
+def train(args, wm: WeightManager, log, task, ckpt=None, start=1):
     """The loop: generate with the latest weights, score, train. One screen, user code."""
-    task = common.make_task(args)                               # prompts, references, reward_fn
     episode, sample = workload(task, args.env)                  # one turn scored by task.reward, or --env's
 
     def rollouts(step, round):                                  # one round of prompts, scored
@@ -48,14 +51,15 @@ def train(args, wm: WeightManager, log, ckpt=None, start=1):
             wm.save_checkpoint(ckpt, step)
 
 
-def run(args):
-    """Build the WeightManager (and the tiny model if none was given), train, plot."""
-    wm = WeightManager(common.model_path(args), config=common.manager_config(args), **common.llm_kwargs(args))
-    ckpt, start = common.resumed(args, wm)
-    with common.tracked(args, wm.trainer, start) as log:
-        train(args, wm, log, ckpt, start)
-    wm.close()
+def run(args, task=None):
+    """Build the WeightManager (and the tiny model if none was given), train, plot; closed on any exit.
+    task: common.make_task(args), made (and checked) before the model."""
+    task = task or common.make_task(args)                       # prompts, references, reward_fn
+    with WeightManager(common.model_path(args), config=common.manager_config(args), **common.llm_kwargs(args)) as wm:
+        ckpt, start = common.resumed(args, wm)
+        with common.tracked(args, wm.trainer, start) as log:
+            train(args, wm, log, task, ckpt, start)
 
 
 if __name__ == "__main__":
-    common.main(run, common.parse_args(__doc__, "runs/colocated"))   # --ray N: on N Ray actors
+    common.main(run, args, task)                                # --ray N: on N Ray actors

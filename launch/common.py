@@ -1,39 +1,58 @@
-"""What launch/colocated.py and launch/async.py share: the command line, the training block of a
-step (advantages, loss, optimizer steps, metrics) and the run's set-up. Written once so the two
-loops differ only in where rollouts come from. Not run on its own. Hardware: the loop's.
+"""What launch/colocated.py and launch/async.py share: the command line, the checks of a run's inputs,
+the training block of a step (advantages, loss, optimizer steps, metrics), the run's set-up, and how it
+ends (an error in one line, an interrupt with what was kept). Written once so the two loops differ only
+in where rollouts come from. Not run on its own. Hardware: the loop's.
 
-torch is imported inside the functions, not at the top: with --ray this module travels to the
-actors pickled by value, and cloudpickle, seeing a global `torch` and the name `backends`
-(args.backends), would try to pickle the torch.backends module ("cannot pickle 'GenericModule'").
+Only the standard library is imported at the top: the command line is parsed (--help, a bad flag)
+before torch, vLLM or Ray load, and minirl's modules are imported inside the functions. torch in
+particular stays out of the top: with --ray this module travels to the actors pickled by value, and
+cloudpickle, seeing a global `torch` and the name `backends` (args.backends), would try to pickle the
+torch.backends module ("cannot pickle 'GenericModule'").
 """
 
 import argparse
 import contextlib
 import json
+import os
 import random
+import re
+import shlex
+import signal
 import sys
+import time
+import traceback
 from pathlib import Path
 
-from minirl.core import ppo_loss_fn
-from minirl.offpolicy import decoupled_loss_fn, staleness_metrics
-from minirl.lora import LoRAConfig
-from minirl.reference import kl_penalty
-from minirl.trainer import TrainerConfig
+TASK_NAMES = ("copy", "succ", "add", "arith", "gsm8k", "math", "code")
+"""minirl.tasks' TASKS, GENERATED and DATA_TASKS, named here so --help needs no import (a test checks);
+a caller that imported minirl.tasks (and added a task) gets its names (task_names)."""
+ENV_NAMES = ("lookup", "lookup-noise", "feedback", "feedback-noise")
+"""minirl.envs.ENVS, likewise."""
 
 
-def parse_args(doc: str, run_dir: str, argv=None):
+def task_names() -> tuple:
+    tasks = sys.modules.get("minirl.tasks")
+    return TASK_NAMES if tasks is None else (*tasks.TASKS, *tasks.GENERATED, *tasks.DATA_TASKS)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):          # one line naming the fix, not argparse's 30-line usage first
+        self.exit(2, f"error: {message}\n")
+
+
+def parse_args(doc: str, run_dir: str, argv=None, *, async_loop: bool = False):
     """The command line of both loops; flags marked (co-located) or (async) matter to one only.
-    Nonsense values (zero steps, a negative rate, ...) stop here, naming the flag and its range."""
-    from minirl.tasks import DATA_TASKS, GENERATED, TASKS
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    Nonsense values (zero steps, a negative rate, ...) stop here, naming the flag and its range.
+    With --resume, flags not given take the run's saved values (resume_settings)."""
+    p = Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
     add("--model", default=None, help="HF name or path, or a packaged model: smollm2 (SmolLM2-135M-Instruct "
         "from its PyPI wheel, minirl.packaged) (default: build the tiny model)")
-    add("--task", default="succ", choices=[*TASKS, *GENERATED, *DATA_TASKS],
+    add("--task", default="succ", choices=task_names(),
         help="built-in toy (copy, succ, add), arithmetic through the chat template (arith: 'What is "
              "12 + 13?') or dataset task (gsm8k, math, code: needs --data)")
-    add("--env", default=None, help="built-in environment, multi-turn episodes (minirl.envs): lookup, feedback, "
-        "lookup-noise, feedback-noise (default: one turn of --task)")
+    add("--env", default=None, choices=ENV_NAMES, help="built-in environment, multi-turn episodes (minirl.envs) "
+        "(default: one turn of --task)")
     add("--data", default=None, help="JSONL, parquet or a datasets.save_to_disk directory (dataset tasks)")
     add("--prompt-key", default=None, help="field of the question (default: the task's, e.g. question)")
     add("--answer-key", default=None, help="field of the reference (default: the task's, e.g. answer)")
@@ -81,7 +100,10 @@ def parse_args(doc: str, run_dir: str, argv=None):
     add("--run-dir", default=run_dir)
     add("--backends", default="tensorboard", help="comma list: tensorboard,wandb,mlflow")
     add("--save-every", type=int, default=0, metavar="K", help="checkpoint every K steps (0: never)")
-    add("--resume", action="store_true", help="continue from the latest checkpoint in RUN_DIR")
+    add("--resume", action="store_true", help="continue from the latest checkpoint in RUN_DIR; flags not given "
+        "keep the run's values (RUN_DIR/args.json), and those that define the run must match them")
+    add("--traceback", action="store_true", help="on an error, the whole traceback (default: one line 'error: ...'; "
+        "exit status 2 when it was found before any model or engine started, 1 when the run failed)")
     add("--eager", action="store_true", help="vLLM without CUDA graphs (always so on CPU)")
     add("--compilation-config", type=json_object, default=None, metavar="JSON",
         help='vLLM\'s compilation_config (default: full CUDA graphs on Hopper, vLLM\'s own elsewhere), '
@@ -106,7 +128,12 @@ def parse_args(doc: str, run_dir: str, argv=None):
     add("--gen-resources", default=None, type=json.loads,
         help='(async) one generator\'s bundle, e.g. \'{"CPU": 1, "GPU": 1, "gen_pool": 1}\'')
     args = p.parse_args(argv)
-    if problem := check_args(args):
+    if args.resume:
+        for action in p._actions:                # parsed again without defaults: the flags on the line alone
+            action.default = argparse.SUPPRESS
+        if problem := resume_settings(args, given=vars(p.parse_args(argv))):
+            p.error(problem)
+    if problem := check_args(args) or (async_loop and async_problem(args)):
         p.error(problem)
     return args
 
@@ -117,18 +144,55 @@ AT_LEAST = {"steps": 1, "prompts": 1, "group_size": 2, "max_tokens": 1, "max_mod
             "ray": 0, "overlong_cache": 0}
 
 
+MUST_MATCH = ("model", "task", "data", "env", "prompt_key", "answer_key", "eval_size", "system_prompt", "thinking",
+              "no_chat_template", "seed", "prompts", "group_size", "lora_rank", "lora_alpha", "lora_also_train")
+"""Settings that define a run (its prompts, their order, what the checkpoint holds): --resume keeps them."""
+NOT_SAVED = ("resume", "run_dir", "traceback", "role")
+"""How this command runs, not what the run is: never taken from args.json."""
+
+
+def resume_settings(args, given: dict) -> str | None:
+    """With --resume: every flag not given on the command line takes the run's value from
+    RUN_DIR/args.json (save_every, steps, lr, ...); a given one may differ, except those in
+    MUST_MATCH (the error returned names both values). A run without args.json keeps the line as is."""
+    path = Path(args.run_dir) / "args.json"
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    for name, value in saved.items():
+        if name in NOT_SAVED or not hasattr(args, name):
+            continue
+        if name not in given:
+            setattr(args, name, value)
+        elif name in MUST_MATCH and given[name] != value:
+            return (f"--resume: {_flag(name)} {given[name]!r} differs from the run's {value!r} ({path}): drop "
+                    f"{_flag(name)} to keep the run's, or start a new run in another --run-dir")
+    return None
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def async_problem(args) -> str | None:
+    if args.dynamic_sampling:
+        return "--dynamic-sampling is co-located only (launch/colocated.py)"
+    if args.eval_every and args.role != "both":
+        return "--eval-every needs both roles in one job (the trainer evaluates on the server's generators)"
+    return None
+
+
 def check_args(args) -> str | None:
     """The first nonsense value among the parsed flags, as a message naming the flag and its range."""
-    flag = lambda name: "--" + name.replace("_", "-")
     for name, low in AT_LEAST.items():
         if getattr(args, name) is not None and getattr(args, name) < low:
-            return f"{flag(name)} must be >= {low}, got {getattr(args, name)}"
+            return f"{_flag(name)} must be >= {low}, got {getattr(args, name)}"
     for name, ok, rng in (("lr", lambda v: 0 < v < float("inf"), "a finite number > 0"),
                           ("kv_cache_gib", lambda v: v is None or v > 0, "> 0"),
                           ("gpu_memory_utilization", lambda v: v is None or 0 < v <= 1, "in (0, 1]"),
                           ("activation_memory_budget", lambda v: v is None or 0 < v <= 1, "in (0, 1]")):
         if not ok(getattr(args, name)):
-            return f"{flag(name)} must be {rng}, got {getattr(args, name)}"
+            return f"{_flag(name)} must be {rng}, got {getattr(args, name)}"
     rules = ((args.eval_k > args.eval_samples, f"--eval-k {args.eval_k} must be <= --eval-samples {args.eval_samples}"),
              (args.overlong_cache > args.max_tokens,
               f"--overlong-cache must be in [0, --max-tokens={args.max_tokens}], got {args.overlong_cache}"),
@@ -140,7 +204,9 @@ def check_args(args) -> str | None:
     return next((msg for bad, msg in rules if bad), None)
 
 
-def trainer_config(args) -> TrainerConfig:
+def trainer_config(args):
+    from minirl.lora import LoRAConfig
+    from minirl.trainer import TrainerConfig
     lora = args.lora_rank and LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha or 2 * args.lora_rank,
                                          also_train=tuple(filter(None, args.lora_also_train.split(","))))
     return TrainerConfig(lr=args.lr, seed=args.seed, micro_batch_tokens=args.micro_batch_tokens,
@@ -187,6 +253,9 @@ def train_step(trainer, batches, args, step: int, *, off_policy: str = "none", m
     staleness histogram (async/...). Returns the step's metrics (token means over every rank)."""
     import torch
     from minirl import filters
+    from minirl.core import ppo_loss_fn
+    from minirl.offpolicy import decoupled_loss_fn, staleness_metrics
+    from minirl.reference import kl_penalty
     staleness = trainer.policy_version - min(b.policy_version for b in batches)   # versions behind
     shaped = filters.overlong_penalty(batches, max_tokens=args.max_tokens, cache=args.overlong_cache) \
         if args.overlong_cache else {}
@@ -302,14 +371,14 @@ def model_path(args) -> str:
     return resolve_model(args.model) if args.model else str(build_tiny_model(Path(args.run_dir) / "tiny-model"))
 
 
-def start_server(args):
+def start_server(args, task):
     """(async) The generation side: a pool of vLLM actors working through every prompt of the
-    run. With --role server this is the whole job: it returns (shut down) when the trainer is done."""
+    run. With --role server this is the whole job: it returns (shut down) when the trainer is done.
+    Shut down at once if a step of its start fails or is interrupted."""
     from actors.server import RolloutServer
     if args.role == "trainer":
         return None
     from minirl.envs import workload
-    task = make_task(args)
     episode, sample = workload(task, args.env)           # --env: its episodes; else one turn, task.reward
     prompts, answers = sample(args.steps * args.prompts, seed=args.seed)
     srv = RolloutServer(model_path(args), args.queue, reward_fn=task.reward, episode=episode if args.env else None,
@@ -318,37 +387,52 @@ def start_server(args):
                         queue_size=args.prompts * (args.max_staleness + 1), resources=args.gen_resources,
                         prompts_per_call=max(1, 256 // args.group_size),   # in flight: the engine's max_num_seqs
                         seed=args.seed, llm_kwargs={**llm_kwargs(args), "max_num_seqs": 256})
-    import ray                           # admission from the first lease: the trainer's bound before it connects
-    ray.get(srv.queue.set_max_staleness.remote(args.max_staleness, args.prompts), timeout=60)
-    if args.resume:                      # prompts trained before the checkpoint never come back
-        print("restored:", srv.restore(Path(args.run_dir) / "checkpoints"))
-    srv.submit(prompts, metadata=answers, skip_known=args.resume)
-    if args.role == "server":
+    try:
+        import ray                       # admission from the first lease: the trainer's bound before it connects
+        ray.get(srv.queue.set_max_staleness.remote(args.max_staleness, args.prompts), timeout=60)
+        if args.resume:                  # prompts trained before the checkpoint never come back
+            print("restored:", srv.restore(Path(args.run_dir) / "checkpoints"))
+        srv.submit(prompts, metadata=answers, skip_known=args.resume)
+        if args.role == "both":
+            srv.run(block=False)
+            return srv
         print("server:", srv.run())
         srv.wait_trainer_done()          # the trainer still trains and syncs the last batches
+    except BaseException:
         srv.shutdown(remove_queue=True)
-        return srv
-    srv.run(block=False)
+        raise
+    srv.shutdown(remove_queue=True)
     return srv
 
 
-def evaluator(args, srv):
+def evaluator(args, srv, task):
     """(async) None without --eval-every, else a call giving eval/... metrics of one generator's
     current weights (eval/policy_version: which) on the held-out rows."""
     if not args.eval_every:
         return None
-    task = make_task(args)
     prompts, answers = map(list, zip(*task.held_out))
     return lambda: srv.evaluate(prompts, answers, task.reward, max_tokens=args.max_tokens,
                                 samples=args.eval_samples, k=args.eval_k, seed=args.seed)
 
 
-def train_worker(args):
-    """(async) The training side: a Trainer fed by the rollout queue."""
+@contextlib.contextmanager
+def train_worker(args, srv):
+    """(async) The training side: a Trainer fed by the rollout queue. At the end it tells the server
+    side it is done and waits for it (finish); on an error or an interrupt both stop at once."""
     from actors.training import TrainWorker
-    return TrainWorker(model_path(args), args.queue, config=trainer_config(args), batch_size=args.prompts,
-                       max_staleness=args.max_staleness, transport=args.transport,
-                       verify_sync=not args.no_verify)
+    worker = None
+    try:
+        worker = TrainWorker(model_path(args), args.queue, config=trainer_config(args), batch_size=args.prompts,
+                             max_staleness=args.max_staleness, transport=args.transport,
+                             verify_sync=not args.no_verify)
+        yield worker
+    except BaseException:
+        if worker is not None:
+            worker.close()
+        if srv is not None:
+            srv.shutdown(remove_queue=True)
+        raise
+    finish(worker, srv)
 
 
 def finish(worker, srv) -> None:
@@ -360,11 +444,200 @@ def finish(worker, srv) -> None:
         srv.shutdown(remove_queue=True)
 
 
-def main(run, args) -> None:
-    """run(args) here, or with --ray N on N Ray actors at once (SPMD)."""
-    if not getattr(args, "ray", 0):
-        return run(args)
-    import ray
-    from actors.colocated import run_spmd
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # travels with `run`
-    run_spmd(run, args, num_workers=args.ray)
+# ---- how a run starts and ends ------------------------------------------------------------------------
+
+def say(*parts, err: bool = False) -> None:
+    """print, on rank 0 only (torchrun starts a process per rank; no RANK: one process, or Ray's driver)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(*parts, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def last_checkpoint(run_dir) -> tuple[int, Path] | None:
+    """(step, path) of the latest complete checkpoint in RUN_DIR/checkpoints, or None (a look, no checksums)."""
+    if not (Path(run_dir) / "checkpoints").is_dir():
+        return None                                     # and torch stays unloaded
+    from minirl.checkpoint import Checkpointer, saved_step
+    path = Checkpointer(Path(run_dir) / "checkpoints").latest()
+    return None if path is None else (saved_step(path), path.resolve())
+
+
+def in_ray_job() -> bool:
+    """Started by `ray job submit`: in a copy of the working directory that goes with the Ray session."""
+    return ("RAY_JOB_ID" in os.environ or "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+            or "/runtime_resources/working_dir_files/" in os.getcwd())
+
+
+def prepare(args):
+    """The run's inputs, checked before any model or engine starts (a mistake costs seconds, not a
+    model load): the checkpoint --resume continues from, and the task (the data file and its fields,
+    read through the model's tokenizer when its chat template is used). Prints the run directory,
+    records the run's settings in RUN_DIR/args.json (what --resume reads), and returns the Task
+    (None for --role trainer, which needs none)."""
+    run_dir = Path(args.run_dir).resolve()
+    say(f"run dir: {run_dir}")
+    if in_ray_job() and run_dir.is_relative_to(Path.cwd().resolve()):
+        say(f"warning: {run_dir} is in this Ray job's copy of the working directory, which vanishes with "
+            "the Ray session: pass an absolute --run-dir (e.g. --run-dir $HOME/runs/x)", err=True)
+    last, root = last_checkpoint(run_dir), run_dir / "checkpoints"
+    if args.resume and last is None:
+        raise FileNotFoundError(f"no checkpoint in {root}: drop --resume or point --run-dir at the run")
+    if args.resume and last[0] >= args.steps:
+        raise ValueError(f"--steps {args.steps}: the run's checkpoint {last[1]} is at step {last[0]} already; "
+                         f"pass a larger --steps to train on")
+    if not args.resume and last is not None and args.save_every:
+        raise FileExistsError(f"{root} holds an earlier run's checkpoint (step {last[0]}): pass --resume to "
+                              "continue it, or another --run-dir to start afresh")
+    task = None if args.role == "trainer" else make_task(args)
+    if args.resume:
+        say(f"resuming from step {last[0]} (checkpoint {last[1]})")
+    if os.environ.get("RANK", "0") == "0":
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "args.json.tmp").write_text(json.dumps(vars(args), indent=2, default=str))
+        os.replace(run_dir / "args.json.tmp", run_dir / "args.json")
+    return task
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived: raised in the main thread, as Python raises KeyboardInterrupt."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def interruptible():
+    """SIGINT and SIGTERM raise Interrupted, so the run closes its engine and trainer on the way out;
+    a second signal while it closes exits at once."""
+    def first(signum, frame):
+        for sig in old:
+            signal.signal(sig, again)
+        raise Interrupted(signum)
+
+    def again(signum, frame):
+        os.write(2, f"{signal.Signals(signum).name} again: exiting without closing\n".encode())
+        os._exit(128 + signum)
+    old = {sig: signal.signal(sig, first) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def signal_of(e: BaseException) -> int | None:
+    """The signal that stopped the run, if e or an error raised while handling it is an interrupt.
+    (ray.init turns SIGTERM into SystemExit(15) in its process.)"""
+    while e is not None:
+        if isinstance(e, Interrupted):
+            return e.signum
+        if isinstance(e, KeyboardInterrupt):
+            return signal.SIGINT
+        if isinstance(e, SystemExit) and e.code == signal.SIGTERM:
+            return signal.SIGTERM
+        e = e.__context__
+    return None
+
+
+def resume_command() -> str:
+    """The command that started this process, plus --resume."""
+    exe = os.path.relpath(sys.executable)
+    head = [sys.executable if exe.startswith("..") else exe if os.sep in exe else f".{os.sep}{exe}"]
+    if "TORCHELASTIC_RUN_ID" in os.environ:             # torchrun
+        head = ["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', 1)}"]
+    elif in_ray_job():
+        head = ["ray", "job", "submit", "--working-dir", ".", "--", "python"]
+    return shlex.join([*head, *sys.argv, *([] if "--resume" in sys.argv else ["--resume"])])
+
+
+def report_interrupt(args, signum: int, since: float) -> None:
+    """What an interrupted run kept: the last step it logged, the last checkpoint, how to resume."""
+    from minirl.tracking import read_metrics
+    if os.environ.get("RANK", "0") != "0":
+        return
+    metrics = Path(args.run_dir) / "metrics.jsonl"
+    steps = [r["step"] for r in read_metrics(metrics) if r["time"] >= since] if metrics.exists() else []
+    reached = f"after step {max(steps)} of {args.steps}" if steps else "before this run logged a step"
+    say(f"{signal.Signals(signum).name}: stopped {reached}", err=True)
+    if (last := last_checkpoint(args.run_dir)) is None:
+        say("last checkpoint: none: pass --save-every K to keep progress" if not args.save_every else
+            f"last checkpoint: none yet (--save-every {args.save_every})", err=True)
+    else:
+        say(f"last checkpoint: {last[1]} (step {last[0]})", err=True)
+        say(f"resume: {resume_command()}", err=True)
+    say(f"run dir: {Path(args.run_dir).resolve()}", err=True)
+
+
+ERRORS = (ValueError, KeyError, TypeError, OSError, ImportError, MemoryError, RuntimeError)
+"""What minirl raises on purpose, with a message naming the cause and the fix (FileNotFoundError,
+PermissionError, TimeoutError are OSErrors; CheckpointError and SyncError RuntimeErrors)."""
+
+
+def message_of(e: BaseException) -> str | None:
+    """The message, on one line, of an error raised by minirl's own code (an ERRORS type raised in
+    minirl/, actors/ or launch/; in a Ray actor too); None for anything else: a bug keeps its traceback."""
+    ray = sys.modules.get("ray")
+    files = [f.filename for f in traceback.extract_tb(e.__traceback__)]
+    while ray is not None and isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, BaseException):
+        files = re.findall(r'File "([^"]+)", line', e.traceback_str)
+        e = e.cause
+    if not isinstance(e, ERRORS) or not files or Path(files[-1]).parent.name not in ("minirl", "actors", "launch"):
+        return None
+    text = str(e.args[0] if isinstance(e, KeyError) and e.args else e)
+    if isinstance(e, KeyError) and " " not in text:       # a plain dictionary miss: a bug
+        return None
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+@contextlib.contextmanager
+def ending(args, status: int, since: float = 0.0):
+    """An error raised inside ends the process in one line 'error: ...' with exit status `status`
+    (--traceback: the whole trace; an error minirl did not raise on purpose keeps it too); an
+    interrupt in a report of what was kept (report_interrupt) with 130 (SIGINT) or 143 (SIGTERM)."""
+    try:
+        yield
+    except BaseException as e:
+        if (signum := signal_of(e)) is not None:
+            report_interrupt(args, signum, since)
+            sys.exit(128 + signum)
+        if args.traceback or (message := message_of(e)) is None:
+            raise
+        say(f"error: {message}", err=True)
+        sys.exit(status)
+
+
+def _exit_at_once(signum, frame):
+    say(f"{signal.Signals(signum).name}: stopped before the run started", err=True)
+    raise SystemExit(128 + signum)
+
+
+def start(doc: str, run_dir: str, *, async_loop: bool = False):
+    """(args, task): the command line (parse_args) and the run's inputs (prepare), both before the
+    script imports torch and vLLM, so a mistake is reported in seconds (exit status 2). Until main()
+    runs, SIGINT / SIGTERM end the process at once: nothing is open and nothing to keep."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_at_once)
+    args = parse_args(doc, run_dir, async_loop=async_loop)
+    with ending(args, status=2):
+        return args, prepare(args)
+
+
+def main(run, args, task=None) -> None:
+    """run(args, task) here, or with --ray N on N Ray actors at once (SPMD); task: start()'s (without
+    it, prepare(args) runs first). How a run ends: its directory printed again; an error in one line
+    'error: ...' with exit status 1 (--traceback: the whole trace); SIGINT / SIGTERM with the step
+    reached, the last checkpoint and the command that resumes (exit status 130 / 143)."""
+    if getattr(args, "ray", 0) or "ray" in sys.modules:   # a Ray driver: SIGTERM is ours to handle, not a
+        import ray                                        # crash for Ray's handler (a trace, then abort in 3 s)
+        ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+    with interruptible(), ending(args, status=1, since=time.time()):
+        if task is None and args.role != "trainer":
+            task = prepare(args)
+        if not getattr(args, "ray", 0):
+            run(args, task)
+        else:
+            import ray
+            from actors.colocated import run_spmd
+            ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # travels with `run`
+            run_spmd(run, args, task, num_workers=args.ray)
+    say(f"run dir: {Path(args.run_dir).resolve()}")

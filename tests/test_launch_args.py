@@ -83,6 +83,29 @@ def test_cluster_dashboard_is_loopback_only():
     assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in (ROOT / "launch" / "cluster.yaml").read_text()
 
 
+def test_task_and_env_names_are_minirls():
+    """The launcher names the tasks and environments itself (so --help imports nothing heavy): the same."""
+    from minirl.envs import ENVS
+    from minirl.tasks import DATA_TASKS, GENERATED, TASKS
+    assert set(common.TASK_NAMES) == {*TASKS, *GENERATED, *DATA_TASKS}
+    assert set(common.ENV_NAMES) == set(ENVS)
+
+
+def test_resume_keeps_the_runs_settings(tmp_path, capsys):
+    """--resume: flags not given take the run's saved values (--save-every among them); those that
+    define the run (seed, prompts, ...) must match when given; the others may change (--steps)."""
+    run = str(tmp_path / "run")
+    first = common.parse_args("doc", "runs/x", ["--run-dir", run, "--save-every", "3", "--seed", "7", "--lr", "0.01"])
+    common.prepare(first)                                            # records RUN_DIR/args.json
+    args = common.parse_args("doc", "runs/x", ["--run-dir", run, "--resume"])
+    assert (args.save_every, args.seed, args.lr, args.steps, args.resume) == (3, 7, 0.01, 60, True)
+    args = common.parse_args("doc", "runs/x", ["--run-dir", run, "--resume", "--steps", "90", "--save-every", "5",
+                                               "--seed", "7"])
+    assert (args.steps, args.save_every, args.seed) == (90, 5, 7)
+    message = _error(["--run-dir", run, "--resume", "--seed", "0"], capsys)
+    assert message.startswith("error: --resume: --seed 0 differs from the run's 7") and "another --run-dir" in message
+
+
 class _Trainer:
     """What train_step asks of a Trainer, with fixed numbers."""
     policy_version, config = 3, types.SimpleNamespace(reference=False)

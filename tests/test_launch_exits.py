@@ -1,0 +1,144 @@
+"""How the launch scripts start and end, as a user meets them: --help and a bad flag answer at once;
+a mistake in the data, the task or the checkpoint is one line 'error: ...' with exit status 2
+before any model or engine starts; SIGINT (Ctrl-C) or SIGTERM during a run stops it without a
+traceback, printing the step reached, the last checkpoint and the command that resumes, which
+continues from that step at the run's checkpoint cadence.
+
+Needs: CPU only; fresh processes. The interrupt test runs two short real jobs (slow, ~2 min on
+2 cores); the others take a few seconds each.
+"""
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PYTHON, ROOT, run_py
+
+SCRIPT = "launch/colocated.py"
+
+
+def test_help_answers_in_under_three_seconds():
+    run_py([SCRIPT, "--help"], timeout=120)                 # once to warm the file cache and .pyc files
+    t = time.perf_counter()
+    res = run_py([SCRIPT, "--help"], timeout=120)
+    elapsed = time.perf_counter() - t
+    assert res.returncode == 0 and "--resume" in res.stdout and "--traceback" in res.stdout
+    assert elapsed < 3, f"--help took {elapsed:.1f} s"
+    res = run_py(["launch/async.py", "--dynamic-sampling"], timeout=120)
+    assert (res.returncode, res.stderr) == (2, "error: --dynamic-sampling is co-located only (launch/colocated.py)\n")
+
+
+def _checkpoint(run: Path, step: int) -> None:
+    """What a complete checkpoint looks like to Checkpointer.latest and the launcher (never loaded here)."""
+    path = run / "checkpoints" / f"step_{step:08d}"
+    path.mkdir(parents=True)
+    (path / "state.json").write_text(json.dumps({"step": step}))
+    (path / "MANIFEST.json").write_text("{}")
+
+
+MISTAKES = {   # case: (flags, the line printed, set-up)
+    "data field": (["--task", "gsm8k", "--data", "{tmp}/rows.jsonl"],
+                   "error: {tmp}/rows.jsonl has no field 'question' (fields: ['q', 'answer']); name the right "
+                   "one with --prompt-key / --answer-key", None),
+    "data format": (["--task", "gsm8k", "--data", "{tmp}/rows.xyz"],
+                    "error: --data {tmp}/rows.xyz: unknown format '.xyz'; use .jsonl, .json, .parquet or a "
+                    "directory written by datasets' save_to_disk", None),
+    "env": (["--env", "lookups"], "error: argument --env: invalid choice: 'lookups' (choose from 'lookup', "
+            "'lookup-noise', 'feedback', 'feedback-noise')", None),
+    "no checkpoint": (["--resume"], "error: no checkpoint in {tmp}/run/checkpoints: drop --resume or point "
+                      "--run-dir at the run", None),
+    "resume setting": (["--resume", "--prompts", "16"], "error: --resume: --prompts 16 differs from the run's 8 "
+                       "({tmp}/run/args.json): drop --prompts to keep the run's, or start a new run in another "
+                       "--run-dir", lambda run: (run / "args.json").write_text('{"prompts": 8}')),
+    "steps done": (["--resume", "--steps", "4"], "error: --steps 4: the run's checkpoint "
+                   "{tmp}/run/checkpoints/step_00000004 is at step 4 already; pass a larger --steps to train on",
+                   lambda run: _checkpoint(run, 4)),
+    "earlier run": (["--save-every", "2"], "error: {tmp}/run/checkpoints holds an earlier run's checkpoint (step 4): "
+                    "pass --resume to continue it, or another --run-dir to start afresh", lambda run: _checkpoint(run, 4)),
+}
+
+
+@pytest.mark.parametrize("case", MISTAKES)
+def test_input_mistakes_end_in_one_line_before_any_model(case, tmp_path):
+    flags, line, setup = MISTAKES[case]
+    tmp = tmp_path.resolve()
+    (tmp / "rows.jsonl").write_text('{"q": "1+1?", "answer": "2"}\n')
+    (tmp / "rows.xyz").write_text("question,answer\n1+1?,2\n")
+    run = tmp / "run"
+    run.mkdir()
+    if setup:
+        setup(run)
+    t = time.perf_counter()
+    res = run_py([SCRIPT, "--backends", "", "--run-dir", str(run), *[f.format(tmp=tmp) for f in flags]], timeout=120)
+    elapsed, out = time.perf_counter() - t, res.stdout + res.stderr
+    assert res.returncode == 2, out[-3000:]
+    assert [ln for ln in res.stderr.splitlines() if ln.startswith("error:")] == [line.format(tmp=tmp)]
+    assert "Traceback" not in out and "Starting to load model" not in out       # vLLM's first line
+    assert not (run / "tiny-model").exists() and elapsed < 30                     # no model was built
+
+
+def test_traceback_flag_keeps_the_whole_trace(tmp_path):
+    res = run_py([SCRIPT, "--resume", "--traceback", "--run-dir", str(tmp_path)], timeout=120)
+    assert res.returncode == 1 and "Traceback" in res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith("FileNotFoundError: no checkpoint in")
+
+
+def _interrupted(cmd: list[str], run: Path, step: int, sig: int) -> tuple[int, str]:
+    """Start cmd in its own session, send sig to the session (as a terminal's Ctrl-C does) once the
+    checkpoint of `step` exists, and return (exit status, stdout + stderr); nothing of it may be left."""
+    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT"}}
+    log = run.parent / f"log-{step}.txt"
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                             env={**env, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 400
+        while not (run / "checkpoints" / f"step_{step:08d}" / "MANIFEST.json").exists():
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        os.killpg(p.pid, sig)
+        status = p.wait(timeout=180)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _session(pid) == p.pid]
+    assert not left, f"processes left of the run: {left}"
+    return status, log.read_text()
+
+
+def _session(pid: str) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@pytest.mark.slow
+def test_interrupt_reports_what_was_kept_and_the_printed_command_resumes(tmp_path):
+    run = tmp_path.resolve() / "run"
+    argv = [SCRIPT, "--steps", "50", "--save-every", "2", "--prompts", "8", "--group-size", "4", "--backends", "",
+            "--run-dir", str(run)]
+    status, out = _interrupted([PYTHON, *argv], run, 2, signal.SIGINT)
+    assert status == 130 and "Traceback" not in out, out[-3000:]
+    lines = out.splitlines()
+    stop = next(ln for ln in lines if ln.startswith("SIGINT: stopped after step "))
+    reached = int(stop.split()[4])
+    assert stop == f"SIGINT: stopped after step {reached} of 50" and reached >= 2
+    assert f"last checkpoint: {run}/checkpoints/step_00000002 (step 2)" in lines
+    resume = next(ln for ln in lines if ln.startswith("resume: "))[len("resume: "):]
+    assert shlex.split(resume) == [os.path.relpath(PYTHON, ROOT), *argv, "--resume"]
+
+    status, out = _interrupted(shlex.split(resume), run, 4, signal.SIGTERM)   # the printed command, stopped again
+    assert status == 143 and "Traceback" not in out, out[-3000:]
+    assert f"resuming from step 2 (checkpoint {run}/checkpoints/step_00000002)" in out
+    assert " 2/50 [" in out                                      # the bar starts where the run was
+    assert f"last checkpoint: {run}/checkpoints/step_00000004 (step 4)" in out.splitlines()   # the cadence kept
+    steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 4
