@@ -93,7 +93,8 @@ def _to_sympy(s: str):
 def math_equal(a: str, b: str) -> bool:
     """Same value after `_normalize` (`$5` = `5 cm` = `x = 5`, `50%` = `50`): equal strings (spaces ignored)
     or sympy values, exactly when rational (`0.5` = `\\frac{1}{2}`, `0.33` != `1/3`), else to 20 digits,
-    symbols at two fixed rationals (`x^2+2x+1` = `(x+1)^2`). Empty or over 500 characters: False."""
+    symbols at two fixed rationals (`x^2+2x+1` = `(x+1)^2`); `1/0` equals nothing. Empty or over 500
+    characters: False."""
     if len(a) > 500 or len(b) > 500 or not (a := _normalize(a)) or not (b := _normalize(b)):
         return False
     if re.sub(r"\s", "", a) == re.sub(r"\s", "", b):
@@ -106,6 +107,8 @@ def math_equal(a: str, b: str) -> bool:
             at = {x: sympy.Rational(7 * i + 3 * k, 11 * k + 13)
                   for i, x in enumerate(sorted(ea.free_symbols | eb.free_symbols, key=str))}
             va, vb = ea.subs(at), eb.subs(at)
+            if not (va.is_finite and vb.is_finite):
+                return False                # 1/0 is zoo, and |zoo - 72| <= 1e-20 * |zoo| held: it matched all
             if not (va == vb if (va - vb).is_Rational
                     else abs(sympy.N(va - vb, 30)) <= 1e-20 * abs(sympy.N(va, 30))):
                 return False

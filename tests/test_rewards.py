@@ -74,6 +74,7 @@ def test_math_equal(a, b):
     ("x", "y"), ("2x", "x^2"), ("A", "a"), ("", "0"), ("", ""), ("12", "21"),
     ("1e3", "1000"),                  # scientific notation is not parsed
     ("1" * 501, "1" * 501),           # over 500 characters
+    ("3/0", "3"), ("\\frac{1}{0}", "\\sqrt{2}"), ("x/0", "72"),  # 1/0 equalled every answer
 ])
 def test_math_not_equal(a, b):
     assert not math_equal(a, b)
@@ -106,6 +107,7 @@ def test_math_equal_works_off_the_main_thread():     # no signal-based timeouts
     ("She has 71 apples.", "72", 0.0),
     ("I do not know.", "72", 0.0),
     ("#### ", "72", 0.0),
+    ("\\boxed{1/0}", "72", 0.0),                                # 1/0 scored 1.0 against any answer
 ])
 def test_math_reward(completion, answer, expected):
     assert math_reward(completion, answer) == expected
