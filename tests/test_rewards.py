@@ -38,6 +38,18 @@ from minirl.rewards import (code_reward, combine, extract_answer, extract_code, 
     ("The temperature fell to -7 degrees", "-7"),
     ("no digits at all", None),
     ("", None),
+    ("the code is ab7c", None),                                  # 7 is glued inside a word
+    ("the code ab7c has 3 parts", "3"),                          # ... so the 3 standing alone is last
+    ("so the answer is 7", "7"),                                 # a number at the very end
+    ("call x2 and y3", None),                                    # letter before: a name, not a number
+    ("she came 7th", None),                                      # letter after: an ordinal
+    ("He owes -12 dollars", "-12"),                              # a sign after a space is a sign
+    ("x-7", "7"), ("12-5", "5"),                                 # after a letter or digit: a minus
+    ("version 1.2.3", None),                                     # no number stands alone in 1.2.3
+    ("pi is about 3.14.", "3.14"),                               # a final period is punctuation
+    ("agent 007", "007"),                                        # as written; math_equal reads 7
+    ("######## 5", "5"),                                         # after the last ####, not the first
+    ("\\boxed{1} then \\boxed{\\boxed{2}", "2"),                  # the last complete box: the inner one
 ])
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
@@ -107,10 +119,38 @@ def test_math_equal_works_off_the_main_thread():     # no signal-based timeouts
     ("She has 71 apples.", "72", 0.0),
     ("I do not know.", "72", 0.0),
     ("#### ", "72", 0.0),
+    ("the code is ab7c", 7, 0.0),                               # a digit inside a word is no answer
+    ("the code ab7c: 5 + 2 = 7", 7, 1.0),                       # the last number standing alone
+    ("It drops 3 degrees to -3.", -3, 1.0),                     # negative, before a final period
+    ("It drops to -3", "3", 0.0),                               # the sign counts
     ("\\boxed{1/0}", "72", 0.0),                                # 1/0 scored 1.0 against any answer
 ])
 def test_math_reward(completion, answer, expected):
     assert math_reward(completion, answer) == expected
+
+
+# 100 KB completions (about the engine's longest) a model can emit; each was slow before or reaches a
+# slow path: 14,285 nested open boxes took 190 s (every box scanned to the end of the text).
+ADVERSARIAL = {
+    "nested open boxes": "\\boxed{" * 14_285,
+    "nested closed boxes": "\\boxed{" * 6_000 + "7" + "}" * 6_000,
+    "box then open braces": "\\boxed{" + "{" * 99_990,
+    "closed boxes, the last open": "\\boxed{1}" * 10_000 + "\\boxed{7",
+    "digits": "7" * 100_000,
+    "a comma list": "1," * 50_000,
+    "a long #### line": "#### " + "(" * 100_000,
+    "frac nest": "\\boxed{" + "\\frac{1}{" * 11_000 + "2" + "}" * 11_001,
+    "frac nest under 500 chars": "\\boxed{" + "\\frac{1}{" * 50 + "2" + "}" * 51,
+    "a set of 200 parts": "\\boxed{\\{" + "x," * 200 + "y\\}}",
+}
+
+
+@pytest.mark.parametrize("name", ADVERSARIAL)
+def test_math_reward_is_fast_on_adversarial_completions(name):
+    math_reward("\\boxed{\\frac12}", "0.5")                 # sympy's import comes first
+    t = time.perf_counter()
+    assert math_reward(ADVERSARIAL[name], "7") == (name == "nested closed boxes")
+    assert time.perf_counter() - t < 1.0           # measured 0.1 s at most on 2 busy cores
 
 
 def test_math_reward_options_and_errors():
