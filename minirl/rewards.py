@@ -1,4 +1,5 @@
-"""Verifiers as reward functions (1.0/0.0 or a fraction): math answers (sympy), code against tests
+"""Verifiers as reward functions (1.0/0.0 or a fraction): math answers (exact numbers, sympy, and
+math-verify for relations), code against tests
 (run in a child Python under resource limits), output format. `gsm8k_reward` has minirl's reward_fn
 signature; the others take the completion first. CPU, Linux (elsewhere no network namespace).
 
@@ -17,12 +18,17 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from functools import cache
+from decimal import Decimal
+from fractions import Fraction
+from functools import cache, lru_cache
+
+from minirl import faults
 
 log = logging.getLogger(__name__)
 # A number for the last-number fallback: -?digits, thousands commas, decimals (or .5), /digits; not
 # right after a letter, digit, `_` or `.` (_last_number checks what follows it).
 _NUMBER = re.compile(r"(?<![\w.])-?(?:[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?|\.[0-9]+)(?:/[0-9]+)?")
+_PLAIN = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:/[0-9]+)?")     # a normalized 007, 7.0, -.5, 3/4
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BRACE = re.compile(r"[{}]")
 _UNITS = re.compile(r"(?<=\S)(?:\s+[a-zA-Z]{2,}\.?(?:\^\{?\d\}?)?)+\s*$")  # " cm^2", " dollars"
@@ -85,13 +91,26 @@ def extract_answer(text: str, *, fallback_last_number: bool = True) -> str | Non
 def _normalize(s: str) -> str:
     """Drop `\\text{}` wrappers, `$`, `%`, degrees, spacing, `x =`, units, thousands commas, a final `.`."""
     s = re.sub(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}", r" \1", s)
-    s = re.sub(r"\\left|\\right|\\displaystyle|\\[,;:! $%]|[$%°]|\^\s*\{?\\circ\}?", " ", s)
-    s = _UNITS.sub("", s.replace("−", "-").split("=")[-1].strip())
+    s = re.sub(r"(\\\\)|\\left|\\right|\\displaystyle|\\[,;:! $%]|[$%°]|\^\s*\{?\\circ\}?",
+               lambda m: m[1] or " ", s)                  # a matrix's row break \\ stays
+    s = _UNITS.sub("", re.split(r"(?<![<>!])=", s.replace("−", "-"))[-1].strip())   # not <=, >=, !=
     return re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", s).strip().rstrip(".")
 
 
+def _plain_number(s: str) -> Fraction | None:
+    """The exact value of a normalized plain number (`007`, `7.0`, `-.5`, `3/4`, `1.5/2`), else None."""
+    if not _PLAIN.fullmatch(s):
+        return None
+    num, _, den = s.partition("/")
+    if den and not int(den):
+        return None                             # x/0
+    return Fraction(num) / Fraction(den or 1)
+
+
+@lru_cache(maxsize=4096)      # a set's parts are compared pairwise
 def _to_sympy(s: str):
-    """Sympy value of a normalized answer; None if not plain math or exponents multiply past 10**4."""
+    """Sympy value of a normalized answer; None if not plain math, or if exponents multiply past 10**4
+    or, times the longest integer's digits, past 10**5."""
     import sympy
     from sympy.parsing import sympy_parser as sp
     s = re.sub(r"\\cdot|\\times", "*", re.sub(r"\\[dt]frac", r"\\frac", s)).replace("\\pi", " pi ")
@@ -110,23 +129,18 @@ def _to_sympy(s: str):
     kw = dict(transformations=sp.standard_transformations + (sp.implicit_multiplication, sp.rationalize),
               global_dict={"__builtins__": {}, **{n: getattr(sympy, n) for n in names}})
     with contextlib.suppress(Exception):    # sympy raises many types (SyntaxError, TokenError, ...)
-        pows = sp.parse_expr(s, evaluate=False, **kw).atoms(sympy.Pow)
-        if all(p.exp.is_Rational for p in pows) and math.prod(max(abs(p.exp.p), 1) for p in pows) <= 10**4:
-            return sp.parse_expr(s, **kw)
+        expr = sp.parse_expr(s, evaluate=False, **kw)
+        pows = expr.atoms(sympy.Pow)
+        digits = max(len(str(n.p)) for n in expr.atoms(sympy.Rational) | {sympy.S.One})
+        exps = math.prod(max(abs(p.exp.p), 1) for p in pows if p.exp.is_Rational)
+        if all(p.exp.is_Rational for p in pows) and exps <= 10**4 and exps * digits <= 10**5:
+            return sp.parse_expr(s, **kw)   # values of at most ~10**5 digits (a 190-digit number^9999: 0.6 s)
     return None
 
 
-def math_equal(a: str, b: str) -> bool:
-    """Same value after `_normalize` (`$5` = `5 cm` = `x = 5`, `50%` = `50`): equal strings (spaces ignored)
-    or sympy values, exactly when rational (`0.5` = `\\frac{1}{2}`, `0.33` != `1/3`), else to 20 digits,
-    symbols at two fixed rationals (`x^2+2x+1` = `(x+1)^2`); `1/0` equals nothing. Empty or over 500
-    characters: False."""
-    if len(a) > 500 or len(b) > 500 or not (a := _normalize(a)) or not (b := _normalize(b)):
-        return False
-    if re.sub(r"\s", "", a) == re.sub(r"\s", "", b):
-        return True
-    if (ea := _to_sympy(a)) is None or (eb := _to_sympy(b)) is None:
-        return False
+def _sympy_equal(ea, eb) -> bool:
+    """Equal exactly when rational, else to 20 digits; symbols are set to two fixed rationals; an
+    infinite or undefined value (`1/0`) equals nothing."""
     import sympy
     with contextlib.suppress(Exception):    # e.g. a division by zero at the sample point
         for k in (1, 2):
@@ -142,15 +156,167 @@ def math_equal(a: str, b: str) -> bool:
     return False
 
 
+def _split(s: str, sep: str) -> list[str] | None:
+    """s cut at each match of the regex `sep` outside brackets, parts stripped; None if the brackets
+    of s do not balance."""
+    parts, depth, start = [], 0, 0
+    for m in re.finditer(rf"[(\[{{]|[)\]}}]|{sep}", s):
+        if m[0] in "([{":
+            depth += 1
+        elif m[0] in ")]}":
+            if (depth := depth - 1) < 0:
+                return None
+        elif depth == 0:
+            parts, start = parts + [s[start:m.start()].strip()], m.end()
+    return parts + [s[start:].strip()] if depth == 0 else None
+
+
+def _items(s: str) -> tuple[str, list[str], bool] | None:
+    """A normalized answer made of parts, as (kind, parts, ordered): a matrix (its cells row by row; the
+    kind holds its shape), a union of intervals (`\\cup`), a set `\\{1, 2\\}` or a bare list `1, 2`
+    (any order), a tuple or interval `(1, 2]` (in order, brackets kept in the kind); else None."""
+    if m := re.fullmatch(r"\\begin\{([pbv]?)matrix\}(.*)\\end\{\1matrix\}", s, re.S):
+        rows = [_split(row, "&") or [] for row in _split(m[2], r"\\\\") or []]
+        return f"matrix{[len(r) for r in rows]}", [c for r in rows for c in r], True
+    if len(parts := _split(s, r"\\cup") or []) > 1:
+        return "cup", parts, True
+    if s.startswith("\\{") and s.endswith("\\}") and (parts := _split(s[2:-2], ",")):
+        return "set", parts, False
+    if s[:1] in "([" and s[-1:] in ")]" and len(parts := _split(s[1:-1], ",") or []) > 1:
+        return s[0] + s[-1], parts, True
+    if len(parts := _split(s, ",") or []) > 1:
+        return "set", parts, False
+    return None
+
+
+def _items_equal(a: tuple[str, list[str], bool], b: tuple[str, list[str], bool], nested: bool = True) -> bool:
+    """Same kind and length, parts equal in order or, unordered, matched one to one. Parts compare by
+    `_value_equal`, or, if nested, as tuples or intervals themselves (`(1, 2) \\cup (3, 4)`, `((1, 2), 3)`).
+    At most 64 parts in order or 16 in any order (up to 16 * 16 pairs, each well under 1 ms)."""
+    (kind, pa, ordered), (kind_b, pb, _) = a, b
+    if kind != kind_b or len(pa) != len(pb) or len(pa) > (64 if ordered else 16):
+        return False
+
+    def equal(x: str, y: str) -> bool:
+        if (same := _value_equal(x, y)) is not None or not nested:
+            return bool(same)
+        ix, iy = _items(x), _items(y)
+        return bool(ix and iy and ix[2] and ix[0] in ("()", "(]", "[)", "[]") and _items_equal(ix, iy, False))
+    if ordered:
+        return all(equal(x, y) for x, y in zip(pa, pb))
+    left = list(pb)
+    for x in pa:
+        if (j := next((j for j, y in enumerate(left) if equal(x, y)), None)) is None:
+            return False
+        left.pop(j)
+    return True
+
+
+# Relations and +-, which math-verify reads and the paths above do not.
+_RELATION = re.compile(r"[<>]|\\(?:le|leq|ge|geq|lt|gt|ne|neq|pm|mp)(?![a-zA-Z])")
+# What math-verify may see. Unguarded it ran 8 minutes on "(9^{9^{9}}, 1)" (a big-integer power, which
+# holds the GIL: no thread can time it out) and 10 s expanding "\{(a+b+c+d+e+f)^9, 1\}"; with powers,
+# nested roots or fractions or a polynomial of degree 9 its relation solver took 0.2-0.5 s. So: 60
+# characters of numbers, \pi, two \frac, two \sqrt, one \cup, these commands, one variable used twice.
+_MV_TOKENS = re.compile(r"(?:[0-9a-zA-Z\s.,+\-*/()\[\]<>=|{}]|\\[{}]|\\(?:[dt]?frac|sqrt|pi|infty|le|leq|"
+                        r"ge|geq|lt|gt|ne|neq|pm|mp|cup|cdot|times|in)(?![a-zA-Z]))*")
+
+
+def _math_verify_safe(s: str) -> bool:
+    letters = re.findall(r"[a-zA-Z]", re.sub(r"\\[a-zA-Z]+", "", s))
+    return (len(s) <= 60 and len(letters) <= 2 and len(set(letters)) <= 1 and s.count("\\sqrt") <= 2
+            and s.count("frac") <= 2 and s.count("\\cup") <= 1 and _MV_TOKENS.fullmatch(s) is not None)
+
+
+@cache
+def _math_verify():
+    """The math_verify module (extra `tasks`), or None where it is not installed."""
+    try:
+        import math_verify
+    except ImportError:
+        return None
+    quiet = lambda record: not record.getMessage().startswith("Timeout is disabled")  # noqa: E731
+    for name in ("math_verify.parser", "math_verify.grader"):   # we bound it: _math_verify_equal
+        logging.getLogger(name).addFilter(quiet)
+    parse = lambda s: math_verify.parse(s, parsing_timeout=None, raise_on_error=True)  # noqa: E731
+    try:    # the first parse and comparison build the parser and import sympy's solvers: ~0.5 s, once
+        math_verify.verify(parse("$x(x+1) > 2$"), parse("$x > 1$"), timeout_seconds=None, raise_on_error=True)
+    except Exception as e:      # e.g. an antlr4 runtime that its LaTeX parser does not accept
+        log.warning("math-verify does not run here (%s: %s); relations compare as text", type(e).__name__, e)
+        return None
+    return math_verify
+
+
+def _math_verify_equal(a: str, b: str) -> bool:
+    """math-verify's verdict (either way round: it is not symmetric) on two normalized answers, one a
+    relation or `\\pm`, both within _math_verify_safe (then it took at most 0.26 s, most under 0.01 s).
+    Its signal-based timeouts work only on the main thread, so they are off; a call still running after
+    0.5 s scores unequal and is logged (the thread runs on: Python cannot stop it)."""
+    relation = _RELATION.search(a) or _RELATION.search(b)
+    if not (relation and _math_verify_safe(a) and _math_verify_safe(b)) or (mv := _math_verify()) is None:
+        return False
+    config = [mv.LatexExtractionConfig()]
+
+    def judge() -> bool:
+        pa, pb = (mv.parse(f"${s}$", config, fallback_mode="no_fallback", parsing_timeout=None)
+                  for s in (a, b))
+        return bool(pa and pb) and any(mv.verify(g, p, float_rounding=10, timeout_seconds=None)
+                                       for g, p in ((pb, pa), (pa, pb)))
+    try:
+        return faults.bounded(judge, 0.5, "math-verify")()
+    except TimeoutError as e:
+        log.warning("math_equal: %s on %r vs %r; scored unequal", e, a, b)
+        return False
+
+
+def _value_equal(a: str, b: str) -> bool | None:
+    """Rules 1-3 of math_equal on normalized answers; None where none applies."""
+    if re.sub(r"\s", "", a) == re.sub(r"\s", "", b):
+        return True
+    if (na := _plain_number(a)) is not None and (nb := _plain_number(b)) is not None:
+        return na == nb
+    if (ea := _to_sympy(a)) is not None and (eb := _to_sympy(b)) is not None:
+        return _sympy_equal(ea, eb)
+    return None
+
+
+def math_equal(a: str, b: str) -> bool:
+    """Whether two answers have the same value. Both are normalized (`_normalize`: `$5` = `5 cm` =
+    `x = 5`, `1,000` = `1000`, `50%` = `50`, not `0.5`); then the first rule that applies decides:
+    1. equal strings (spaces ignored);
+    2. plain numbers (`007`, `7.0`, `-.5`, `3/4`) compare exactly, without sympy: `007` = `7.0` = `7`,
+       `0.5` = `1/2`, `0.33` != `1/3`;
+    3. expressions sympy can read safely (`\\frac`, `\\sqrt`, `^`, `\\pi`, one-letter symbols): exactly
+       when rational (`0.5` = `\\frac{1}{2}`), else to 20 digits, symbols at two fixed rationals
+       (`x^2+2x+1` = `(x+1)^2`);
+    4. answers made of parts, part by part with rules 1-3: tuples and intervals in order with the same
+       brackets (`(\\frac12, 1]` = `(0.5, 1]`), sets `\\{\\}` and bare lists in any order (`1, 2` =
+       `2, 1`), unions of intervals, matrices of one shape;
+    5. relations and `\\pm` by math-verify (`x > 2` = `2 < x`, `\\pm 2` = `2, -2`), within
+       `_math_verify_safe`.
+    Anything else, an empty answer, or one over 500 characters: False. math-verify is used for rule 5
+    only: on the rest it is 10-1000x slower (5-500 ms a comparison against well under 1 ms), can run
+    for minutes, and is looser (it rounds decimals, `1/3` = `0.333333`; `50%` = `0.5`; `A` = `a`)."""
+    if len(a) > 500 or len(b) > 500 or not (a := _normalize(a)) or not (b := _normalize(b)):
+        return False
+    if (same := _value_equal(a, b)) is not None:
+        return same
+    if (ia := _items(a)) and (ib := _items(b)):
+        return _items_equal(ia, ib)
+    return _math_verify_equal(a, b)
+
+
 def math_reward(completion: str, answer, *, fallback_last_number: bool = True) -> float:
     """1.0 if `extract_answer(completion)` (the last complete `\\boxed{}`, else the line after the last
     `####`, else, with fallback_last_number, the last number standing alone) `math_equal`s `answer`,
     else 0.0. `answer` is a str or a number (a solution with `####` or `\\boxed{}`, as in GSM8K and
-    MATH, is reduced to its final answer first)."""
+    MATH, is reduced to its final answer first). Under 1 s on any completion up to 100 KB (after the
+    first call's imports)."""
     if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
         raise TypeError(f"answer must be a str or a number (the reference answer, e.g. '72'), "
                         f"got {type(answer).__name__}: {answer!r:.100}")
-    if re.search(r"####|\\boxed|\\fbox", answer := str(answer)):
+    answer = format(Decimal(repr(answer)), "f") if isinstance(answer, float) else str(answer)  # 1e16: digits
+    if re.search(r"####|\\boxed|\\fbox", answer):
         answer = extract_answer(answer, fallback_last_number=False) or ""
     got = extract_answer(completion, fallback_last_number=fallback_last_number)
     return 1.0 if got is not None and math_equal(got, answer) else 0.0

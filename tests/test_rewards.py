@@ -74,6 +74,13 @@ def test_extract_answer_without_number_fallback(text, expected):
     ("\\sqrt{2}+\\sqrt{3}", "\\sqrt{5+2\\sqrt{6}}"), ("2^{10}", "1024"), ("10^{-2}", "0.01"),
     ("\\left(3\\right)", "3"), ("2\\pi r", "2 r \\pi"), ("x^2+2x+1", "(x+1)^2"),
     ("3 \\cdot 4", "12"), ("(1, 2)", "(1,2)"), ("\\text{(B)}", "(B)"),
+    ("007", "7"), ("7.0", "7"), ("-7", "-7.00"), ("-.5", "-1/2"), ("1.5/3", "0.5"),  # exact, no sympy
+    ("(\\frac12, 1]", "(0.5, 1]"),                                # parts in order, same brackets
+    ("1, 2", "2, 1"), ("\\{1, 2, 2\\}", "\\{2, 1, 2\\}"),           # lists and sets in any order
+    ("(-\\infty, \\frac12) \\cup (3, \\infty)", "(-\\infty,0.5)\\cup(3,\\infty)"),
+    ("((1, 2), 3)", "((1.0, 2), 3)"),                          # one level of nesting
+    ("\\begin{pmatrix} \\frac12 & 2 \\\\ 3 & 4 \\end{pmatrix}", "\\begin{bmatrix}0.5&2\\\\3&4\\end{bmatrix}"),
+    ("x \\le 3", "x \\leq 3"), ("x > 2", "2 < x"), ("\\pm 2", "2, -2"),  # math-verify
 ])
 def test_math_equal(a, b):
     assert math_equal(a, b) and math_equal(b, a)
@@ -86,7 +93,13 @@ def test_math_equal(a, b):
     ("x", "y"), ("2x", "x^2"), ("A", "a"), ("", "0"), ("", ""), ("12", "21"),
     ("1e3", "1000"),                  # scientific notation is not parsed
     ("1" * 501, "1" * 501),           # over 500 characters
+    ("007", "70"), ("-7", "7"),
     ("3/0", "3"), ("\\frac{1}{0}", "\\sqrt{2}"), ("x/0", "72"),  # 1/0 equalled every answer
+    ("(1, 2)", "(2, 1)"), ("(1, 2)", "[1, 2]"), ("(1, 2)", "\\{1, 2\\}"),  # order and brackets count
+    ("1, 1, 2", "1, 2, 2"), ("1, 2", "1, 2, 3"),                # matched one to one
+    ("(0.333333, 1)", "(\\frac13, 1)"), ("(A, B)", "(a, b)"),   # parts as exact as whole answers
+    ("\\begin{pmatrix} 1 & 2 \\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"),  # shape
+    ("x <= 3", "3"), ("x \\le 3", "3"), ("x \\le 3", "x < 3"),   # a relation is not its bound
 ])
 def test_math_not_equal(a, b):
     assert not math_equal(a, b)
@@ -106,9 +119,10 @@ def test_math_equal_hostile_inputs_return_quickly(a):
     assert time.perf_counter() - t < 2
 
 
-def test_math_equal_works_off_the_main_thread():     # no signal-based timeouts
+def test_math_equal_works_off_the_main_thread():     # no signal-based timeouts, math-verify's included
     with ThreadPoolExecutor(2) as pool:
-        assert list(pool.map(math_equal, ["0.5", "2^{10}"], ["\\frac{1}{2}", "1024"])) == [True] * 2
+        pairs = [("0.5", "\\frac{1}{2}"), ("2^{10}", "1024"), ("x > 2", "2 < x")]
+        assert list(pool.map(math_equal, *zip(*pairs))) == [True] * 3
 
 
 @pytest.mark.parametrize("completion, answer, expected", [
@@ -121,9 +135,14 @@ def test_math_equal_works_off_the_main_thread():     # no signal-based timeouts
     ("#### ", "72", 0.0),
     ("the code is ab7c", 7, 0.0),                               # a digit inside a word is no answer
     ("the code ab7c: 5 + 2 = 7", 7, 1.0),                       # the last number standing alone
+    ("James Bond is 007", 7, 1.0),                              # 007 and 7 are the same number
+    ("#### 7.0", "7", 1.0), ("\\boxed{7}", "7.00", 1.0),        # so are 7.0 and 7.00
     ("It drops 3 degrees to -3.", -3, 1.0),                     # negative, before a final period
     ("It drops to -3", "3", 0.0),                               # the sign counts
+    ("#### 1,000", "#### 1000", 1.0),                           # thousands commas, both sides reduced
     ("\\boxed{1/0}", "72", 0.0),                                # 1/0 scored 1.0 against any answer
+    ("#### 10000000000000000", 1e16, 1.0),                      # a float reference read as its digits
+    ("\\boxed{(\\frac{1}{2}, 3)}", "$(0.5, 3)$", 1.0),            # an ordered pair, part by part
 ])
 def test_math_reward(completion, answer, expected):
     assert math_reward(completion, answer) == expected
@@ -142,12 +161,13 @@ ADVERSARIAL = {
     "frac nest": "\\boxed{" + "\\frac{1}{" * 11_000 + "2" + "}" * 11_001,
     "frac nest under 500 chars": "\\boxed{" + "\\frac{1}{" * 50 + "2" + "}" * 51,
     "a set of 200 parts": "\\boxed{\\{" + "x," * 200 + "y\\}}",
+    "a big power": "\\boxed{" + "9" * 190 + "^{9999}}",
 }
 
 
 @pytest.mark.parametrize("name", ADVERSARIAL)
 def test_math_reward_is_fast_on_adversarial_completions(name):
-    math_reward("\\boxed{\\frac12}", "0.5")                 # sympy's import comes first
+    math_reward("\\boxed{x \\le \\frac12}", "x \\leq 0.5")   # imports (sympy, math-verify) come first
     t = time.perf_counter()
     assert math_reward(ADVERSARIAL[name], "7") == (name == "nested closed boxes")
     assert time.perf_counter() - t < 1.0           # measured 0.1 s at most on 2 busy cores
