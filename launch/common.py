@@ -53,7 +53,7 @@ def parse_args(doc: str, run_dir: str, argv=None, *, async_loop: bool = False):
              "12 + 13?') or dataset task (gsm8k, math, code: needs --data)")
     add("--env", default=None, choices=ENV_NAMES, help="built-in environment, multi-turn episodes (minirl.envs) "
         "(default: one turn of --task)")
-    add("--data", default=None, help="JSONL, parquet or a datasets.save_to_disk directory (dataset tasks)")
+    add("--data", default=None, help="JSONL, CSV, parquet or a datasets.save_to_disk directory (dataset tasks)")
     add("--prompt-key", default=None, help="field of the question (default: the task's, e.g. question)")
     add("--answer-key", default=None, help="field of the reference (default: the task's, e.g. answer)")
     add("--eval-size", type=int, default=0, help="rows held out for evaluation (picked by --seed)")

@@ -1,9 +1,10 @@
 """Tasks: prompts, reference answers and a reward function. Built in: digit toys for demos and tests
 ("3+4=", scored 1.0 when the completion starts with the one-digit answer; a random model scores about
 1/64), and dataset tasks read from local files: `gsm8k` (`#### x` answers), `math` (`\\boxed{}`
-answers) and `code` (tests run in a sandbox), with a held-out split for evaluation. Prompts of dataset
-tasks go through the tokenizer's chat template when it has one (system prompt, Qwen3 thinking on/off),
-so the model is trained as it is served. CPU, no downloads (`datasets` reads the files).
+answers) and `code` (tests run in a sandbox), from JSONL, CSV, parquet or saved datasets, with a
+held-out split for evaluation. Prompts of dataset tasks go through the tokenizer's chat template when it
+has one (system prompt, Qwen3 thinking on/off), so the model is trained as it is served. CPU, no
+downloads (`datasets` reads the files).
 
     python -m minirl.tasks add                                   # a few toy prompts and answers
     task = load_task("gsm8k", data="gsm8k_train.jsonl", tokenizer=tok, eval_size=200)
@@ -12,6 +13,7 @@ so the model is trained as it is served. CPU, no downloads (`datasets` reads the
 
 from __future__ import annotations
 
+import csv
 import random
 import sys
 from dataclasses import dataclass, replace
@@ -120,8 +122,9 @@ DATA_TASKS = {
 
 
 def load_rows(path, fields: tuple[str, ...]) -> list[dict]:
-    """Rows of a JSONL/JSON, parquet or `datasets.save_to_disk` directory (read by `datasets`), keeping
-    `fields`. Errors name the file and a missing field with the fields present."""
+    """Rows of a JSONL/JSON, CSV, parquet or `datasets.save_to_disk` directory (read by `datasets`),
+    keeping `fields`. CSV cells are read as the text written (`007` stays "007", `NA` and empty cells
+    stay strings, not nulls). Errors name the file and a missing field with the fields present."""
     import datasets
     p = Path(path)
     if not p.exists():
@@ -133,10 +136,19 @@ def load_rows(path, fields: tuple[str, ...]) -> list[dict]:
                 raise ValueError(f"{p} is a DatasetDict without a 'train' split (splits: {list(ds)}): "
                                  f"point --data at one split's directory, e.g. {p / next(iter(ds))}")
             ds = ds["train"]
+    elif p.suffix == ".csv":
+        with open(p, newline="") as f:
+            reader = csv.reader(f)
+            header, first_row = next(reader, []), next(reader, None)
+        if first_row is None:           # datasets would say 'Instruction "train" corresponds to no data'
+            raise ValueError(f"{p} holds no rows")
+        text = datasets.Features({name: datasets.Value("string") for name in header})
+        ds = datasets.load_dataset("csv", data_files=str(p), split="train", features=text,
+                                   keep_default_na=False)
     elif (kind := {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(p.suffix)) is not None:
         ds = datasets.load_dataset(kind, data_files=str(p), split="train")
     else:
-        raise ValueError(f"--data {p}: unknown format {p.suffix!r}; use .jsonl, .json, .parquet or a "
+        raise ValueError(f"--data {p}: unknown format {p.suffix!r}; use .jsonl, .json, .csv, .parquet or a "
                          f"directory written by datasets' save_to_disk")
     if missing := [f for f in fields if f not in ds.column_names]:
         raise KeyError(f"{p} has no field {missing[0]!r} (fields: {ds.column_names}); "
@@ -169,6 +181,13 @@ def _check_reference(name: str, path, i: int, ref) -> None:
         want = "a str or a non-empty list of str (tests)" if name == "code" else "a str or a number"
         raise TypeError(f"{path} row {i}: the answer field must be {want}, "
                         f"got {type(ref).__name__}: {ref!r:.80}")
+    if isinstance(ref, str) and not ref.strip() or isinstance(ref, list) and not all(t.strip() for t in ref):
+        raise ValueError(f"{path} row {i}: the answer field is empty (an empty test passes any code; an "
+                         f"empty answer fails every completion)")
+    if name == "code" and isinstance(ref, str) and ref.strip()[:1] == "[" and ref.strip()[-1:] == "]":
+        raise TypeError(f"{path} row {i}: the tests field is text that spells a list ({ref!r:.60}); run as "
+                        f"one test it is an expression that never fails. A list of tests needs JSONL or "
+                        f"parquet (CSV holds only text); in CSV give one test (Python asserts) per row")
 
 
 def load_task(name: str, *, data=None, tokenizer=None, prompt_key: str | None = None,
@@ -192,7 +211,8 @@ def load_task(name: str, *, data=None, tokenizer=None, prompt_key: str | None = 
         raise ValueError(f"unknown task {name!r}; built-in tasks: {sorted(TASKS)} and {sorted(GENERATED)}, "
                          f"dataset tasks: {sorted(DATA_TASKS)}")
     if data is None:
-        raise ValueError(f"--task {name} needs --data PATH (JSONL, parquet or a saved dataset directory)")
+        raise ValueError(f"--task {name} needs --data PATH (JSONL, CSV, parquet or a saved dataset "
+                         f"directory)")
     spec = DATA_TASKS[name]
     pk, ak = prompt_key or spec.prompt_key, answer_key or spec.answer_key
     rows = load_rows(data, (pk, ak))

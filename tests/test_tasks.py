@@ -1,9 +1,10 @@
-"""Tasks (toys, datasets from JSONL / parquet / saved directories, chat templates), the DAPO switches
+"""Tasks (toys, datasets from JSONL / CSV / parquet / saved directories, chat templates), the DAPO switches
 (minirl.filters), evaluation metrics (minirl.evaluation), a short GSM8K-format run of
 launch/colocated.py and a short launch/async.py run, both with evaluation (marked slow). CPU only;
 about 2 minutes on 2 idle cores, nearly all of it the two launch runs.
 """
 
+import csv
 import json
 import math
 import re
@@ -24,9 +25,15 @@ ROWS = [{"question": f"q{i}", "answer": f"so {i}\n#### {i}", "extra": i} for i i
 def _write(tmp_path, kind, rows=ROWS):
     import datasets
     ds = datasets.Dataset.from_list(rows)
-    path = tmp_path / {"jsonl": "d.jsonl", "parquet": "d.parquet", "saved": "saved", "dict": "dd"}[kind]
+    names = {"jsonl": "d.jsonl", "csv": "d.csv", "parquet": "d.parquet", "saved": "saved", "dict": "dd"}
+    path = tmp_path / names[kind]
     if kind == "jsonl":
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif kind == "csv":
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
     elif kind == "parquet":
         ds.to_parquet(str(path))
     elif kind == "saved":
@@ -45,7 +52,7 @@ def test_toys_unchanged():
     assert get_task("succ").reward("6+1=", "7x", "7") == 1.0 and get_task("succ").reward("6+1=", "x7", "7") == 0.0
 
 
-@pytest.mark.parametrize("kind", ["jsonl", "parquet", "saved", "dict"])
+@pytest.mark.parametrize("kind", ["jsonl", "csv", "parquet", "saved", "dict"])
 def test_load_rows_every_format(tmp_path, kind):
     rows = load_rows(_write(tmp_path, kind), ("question", "answer"))
     assert rows == [{"question": r["question"], "answer": r["answer"]} for r in ROWS]
@@ -57,9 +64,53 @@ def test_load_rows_errors_name_the_file_and_fields(tmp_path):
         load_rows(path, ("problem", "answer"))
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         load_rows(tmp_path / "nope.jsonl", ("question",))
-    (tmp_path / "d.csv").write_text("question,answer\n")
-    with pytest.raises(ValueError, match=r"unknown format '\.csv'"):
-        load_rows(tmp_path / "d.csv", ("question",))
+    (tmp_path / "d.xlsx").write_text("question,answer\n")
+    with pytest.raises(ValueError, match=r"unknown format '\.xlsx'; use \.jsonl, \.json, \.csv, \.parquet"):
+        load_rows(tmp_path / "d.xlsx", ("question",))
+
+
+def test_load_rows_csv_reads_text_and_names_missing_fields(tmp_path):
+    path = _write(tmp_path, "csv")
+    with pytest.raises(KeyError, match=r"d\.csv has no field 'problem'.*\['question', 'answer', 'extra'\]"):
+        load_rows(path, ("problem", "answer"))
+    (tmp_path / "n.csv").write_text("question,answer\nq1,007\nq2,NA\nq3,\n")
+    rows = load_rows(tmp_path / "n.csv", ("question", "answer"))
+    assert [r["answer"] for r in rows] == ["007", "NA", ""]             # cells as written: no 7, no nulls
+    (tmp_path / "h.csv").write_text("question,answer\n")
+    with pytest.raises(ValueError, match=r"h\.csv holds no rows"):
+        load_rows(tmp_path / "h.csv", ("question",))
+
+
+def test_gsm8k_task_from_csv(tmp_path):
+    """A round trip through CSV: multi-line answers with commas survive, and answers that CSV leaves as
+    text ("1,000", "007") score against the numbers a model writes."""
+    rows = [{"question": "What is 7 + 0, twice?", "answer": "7 + 0 = 7\n#### 7"},
+            {"question": "Count to a thousand", "answer": "1,000"},
+            {"question": "Which agent?", "answer": "007"}]
+    task = load_task("gsm8k", data=_write(tmp_path, "csv", rows), instruction="")
+    refs = dict(zip(*task.sample(50, seed=0)))
+    assert refs == {r["question"]: r["answer"] for r in rows}
+    assert task.reward("", "so the answer is #### 7.0", refs["What is 7 + 0, twice?"]) == 1.0
+    assert task.reward("", "#### 1000", refs["Count to a thousand"]) == 1.0
+    assert task.reward("", "It is agent 7", refs["Which agent?"]) == 1.0
+    assert task.reward("", "It is agent ab7c", refs["Which agent?"]) == 0.0
+    bad = tmp_path / "bad.csv"
+    bad.write_text("question,answer\nq1,72\nq2,\n")
+    with pytest.raises(ValueError, match=r"bad\.csv row 1: the answer field is empty"):
+        load_task("gsm8k", data=bad)
+
+
+def test_code_task_from_csv_needs_one_test_per_row(tmp_path):
+    """CSV holds text, so a list of tests arrives as a string such as "['assert f(1) == 2']", which run as
+    one test is an expression that never fails: refused. One test per row works."""
+    listed = [{"prompt": "add one", "tests": str(["assert f(1) == 2", "assert f(2) == 3"])}]
+    with pytest.raises(TypeError, match=r"row 0: the tests field is text that spells a list.*JSONL or"):
+        load_task("code", data=_write(tmp_path, "csv", listed))
+    one = [{"prompt": "add one", "tests": "assert f(1) == 2\nassert f(2) == 3"},
+           {"prompt": "noop", "tests": "pass"}]
+    task = load_task("code", data=_write(tmp_path, "csv", one), eval_size=1, instruction="")
+    prompt, tests = task.held_out[0]
+    assert isinstance(tests, str) and tests in {r["tests"] for r in one}
 
 
 def test_load_task_holds_out_by_seed(tmp_path):
