@@ -47,7 +47,7 @@ MISTAKES = {   # case: (flags, the line printed, set-up)
                    "error: {tmp}/rows.jsonl has no field 'question' (fields: ['q', 'answer']); name the right "
                    "one with --prompt-key / --answer-key", None),
     "data format": (["--task", "gsm8k", "--data", "{tmp}/rows.xyz"],
-                    "error: --data {tmp}/rows.xyz: unknown format '.xyz'; use .jsonl, .json, .parquet or a "
+                    "error: --data {tmp}/rows.xyz: unknown format '.xyz'; use .jsonl, .json, .csv, .parquet or a "
                     "directory written by datasets' save_to_disk", None),
     "env": (["--env", "lookups"], "error: argument --env: invalid choice: 'lookups' (choose from 'lookup', "
             "'lookup-noise', 'feedback', 'feedback-noise')", None),
