@@ -73,7 +73,7 @@ def arith_task(*, tokenizer=None, eval_size: int = 0, seed: int = 0, system_prom
     template when it has one, scored 1.0 when the completion's final answer (`####`, `\\boxed{}` or
     its last number) is the sum (rewards.gsm8k_reward). The 720 training problems are drawn with
     replacement; `eval_size` of the 180 held-out ones (arith_held_out, shuffled by seed) evaluate.
-    SmolLM2-135M-Instruct starts at about 27% greedy and 15% sampled at temperature 1."""
+    SmolLM2-135M-Instruct starts at 27% greedy and about 11% sampled at temperature 1 (held out)."""
     pairs = [(a, b) for a in range(ARITH_RANGE) for b in range(ARITH_RANGE)]
     held = [p for p in pairs if arith_held_out(*p)]
     if not 0 <= eval_size <= len(held):
