@@ -11,6 +11,7 @@ torch.backends module ("cannot pickle 'GenericModule'").
 """
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -505,14 +506,24 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+def _raise(e: BaseException):
+    raise e
+
+
 @contextlib.contextmanager
 def interruptible():
     """SIGINT and SIGTERM raise Interrupted, so the run closes its engine and trainer on the way out;
-    a second signal while it closes exits at once."""
+    a second signal while it closes exits at once. Inside an asyncio loop (an episode session) it is
+    raised between the loop's callbacks, not inside whichever task was running: asyncio.run then
+    cancels every task (their requests leave the engine) and no task is left holding the exception."""
     def first(signum, frame):
         for sig in old:
             signal.signal(sig, again)
-        raise Interrupted(signum)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise Interrupted(signum) from None
+        loop.call_soon_threadsafe(_raise, Interrupted(signum))
 
     def again(signum, frame):
         os.write(2, f"{signal.Signals(signum).name} again: exiting without closing\n".encode())

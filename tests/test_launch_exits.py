@@ -142,3 +142,32 @@ def test_interrupt_reports_what_was_kept_and_the_printed_command_resumes(tmp_pat
     assert f"last checkpoint: {run}/checkpoints/step_00000004 (step 4)" in out.splitlines()   # the cadence kept
     steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 4
+
+
+INSIDE_A_TASK = """
+import asyncio, signal, sys
+sys.path.insert(0, "launch")
+from common import Interrupted, interruptible
+
+async def episode(i):
+    await asyncio.sleep(0)
+    if i == 5:
+        signal.raise_signal(signal.SIGINT)        # arrives while this task's code runs
+    await asyncio.sleep(30)
+
+async def session():
+    await asyncio.gather(*(episode(i) for i in range(10)))
+
+try:
+    with interruptible():
+        asyncio.run(session())
+except Interrupted as e:
+    print("interrupted", e.signum)
+"""
+
+
+def test_interrupt_inside_an_episode_task_ends_the_session_without_a_trace():
+    """A signal landing inside a running asyncio task (an episode) stops the whole session: every task
+    cancelled, Interrupted raised out of asyncio.run, nothing logged about a task's lost exception."""
+    res = run_py(["-c", INSIDE_A_TASK], timeout=60)
+    assert (res.returncode, res.stdout.split()[:2], res.stderr) == (0, ["interrupted", "2"], ""), res.stderr
