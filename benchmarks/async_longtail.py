@@ -268,7 +268,7 @@ def child(part, args):
     model = str(Path(args.work) / f"model-{args.shape}")
     if not Path(model, "config.json").exists():
         if args.shape == "tiny":
-            from minirl.tiny import build_tiny_model
+            from minirl.recipes.tiny import build_tiny_model
             build_tiny_model(model)
         else:
             import torch

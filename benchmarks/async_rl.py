@@ -143,7 +143,7 @@ def part_async(args, model, transport):
     import ray
     from actors.server import RolloutServer
     from actors.training import start_trainers
-    from minirl.tasks import get_task
+    from minirl.recipes.tasks import get_task
     gpus = args.gpus
     ray.init(address="local", num_cpus=8, num_gpus=gpus, include_dashboard=False, namespace="minirl",
              log_to_driver=False)

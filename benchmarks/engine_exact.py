@@ -55,13 +55,13 @@ PROBE = "The quick brown fox jumps over the lazy dog. 0123456789 = 3+4"
 def build(name: str, root: Path, smollm2: str | None) -> str:
     path = root / name
     if name == "smollm2":                              # the pretrained SmolLM2-135M-Instruct
-        from minirl.packaged import packaged_model
+        from minirl.recipes.packaged import packaged_model
         return smollm2 or str(packaged_model("smollm2"))
     if (path / "config.json").exists():
         return str(path)
     spec = MODELS[name]
     if isinstance(spec, dict):
-        from minirl.tiny import build_tiny_model
+        from minirl.recipes.tiny import build_tiny_model
         return str(build_tiny_model(path, **spec))
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -150,7 +150,7 @@ def main():
     p.add_argument("--settings", default="eager,full")
     p.add_argument("--extra", default="tiny:default,tiny:decode,tiny:full-split1,tiny:piecewise,tiny:decode-compiled",
                    help="more model:setting cells")
-    p.add_argument("--smollm2", default=None, help="the SmolLM2 folder (default: minirl.packaged's)")
+    p.add_argument("--smollm2", default=None, help="the SmolLM2 folder (default: minirl.recipes.packaged's)")
     p.add_argument("--jobs", type=int, default=4)
     p.add_argument("--work", default="/tmp/engine_exact")
     p.add_argument("--timeout", type=float, default=400)

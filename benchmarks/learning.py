@@ -58,10 +58,10 @@ SAME = ("model", "steps", "prompts", "group_size", "max_tokens", "max_model_len"
 def resolve_model(name: str, work: Path) -> str:
     """'tiny': minirl's tiny model built in WORK; a packaged name (smollm2): its folder; else a path."""
     if name == "tiny":
-        from minirl.tiny import build_tiny_model
+        from minirl.recipes.tiny import build_tiny_model
         return str(build_tiny_model(work / "tiny-model"))
     try:
-        from minirl.packaged import resolve_model as packaged
+        from minirl.recipes.packaged import resolve_model as packaged
     except ImportError:
         return name
     return packaged(name)
@@ -70,13 +70,13 @@ def resolve_model(name: str, work: Path) -> str:
 def arith(model: str, args, seed: int):
     """The task exactly as launch/common.make_task builds it for --model M --task arith."""
     from transformers import AutoTokenizer
-    from minirl.tasks import load_task
+    from minirl.recipes.tasks import load_task
     return load_task("arith", tokenizer=AutoTokenizer.from_pretrained(model), eval_size=args.eval_size, seed=seed)
 
 
 def minirl_prompts(task, args) -> list[tuple[list[str], list]]:
     """(prompts, answers) of each step 1..N as launch/colocated.py's loop draws them (rank 0, round 0)."""
-    from minirl.envs import workload
+    from minirl.recipes.envs import workload
     _, sample = workload(task, None)                 # a plain task: task.sample
     return [sample(args.prompts, seed=(args.seed * 1000 + step) * 64) for step in range(1, args.steps + 1)]
 
@@ -205,7 +205,7 @@ def run_eval(args, models: dict[str, str]) -> None:
     for name, path in models.items():
         t = time.time()
         tok = AutoTokenizer.from_pretrained(path, padding_side="left")
-        if tok.pad_token is None:                  # a folder converted before minirl.packaged set one
+        if tok.pad_token is None:                  # a folder converted before minirl.recipes.packaged set one
             tok.pad_token = tok.eos_token
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
         torch.manual_seed(0)

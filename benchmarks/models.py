@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from minirl.tiny import build_tiny_model, vocab  # noqa: E402
+from minirl.recipes.tiny import build_tiny_model, vocab  # noqa: E402
 
 SHAPES: dict[str, dict] = {
     "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,

@@ -57,7 +57,7 @@ def measure(model: str, mode: str, reference: bool, args) -> dict:
     from minirl import WeightManager, parse_vllm_outputs, ppo_loss_fn
     from minirl.colocated import WeightManagerConfig, estimate_memory
     from minirl.reference import kl_penalty
-    from minirl.tasks import get_task
+    from minirl.recipes.tasks import get_task
     cuda = torch.cuda.is_available()
     used, stop = [0], threading.Event()
 

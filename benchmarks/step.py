@@ -82,7 +82,7 @@ def digit_fraction(prompt: str, completion: str, answer=None) -> float:
 
 def digits_task():
     """`succ`'s prompts scored by digit_fraction (a task the launch scripts accept as --task digits)."""
-    from minirl import tasks
+    from minirl.recipes import tasks
     task = tasks.Task("digits", tasks.TASKS["succ"].make, digit_fraction)
     tasks.TASKS.setdefault("digits", task)
     return task

@@ -1,20 +1,20 @@
 """Async GRPO: generators fill a named Ray queue while the trainer trains; weights flow back.
 
     python launch/async.py                              # tiny local model, CPU, local Ray: both roles
-    ray job submit --working-dir . -- python launch/async.py --role server   # two jobs that meet by the
-    ray job submit --working-dir . -- python launch/async.py --role trainer  # queue's name; give both the
-                                        # same secret MINIRL_QUEUE_TOKEN (--runtime-env-json env_vars)
+    ray job submit --working-dir . -- python launch/async.py --role server    # two jobs meeting by the queue's
+    ray job submit --working-dir . -- python launch/async.py --role trainer   # name, one MINIRL_QUEUE_TOKEN
 
 The training block and the command line are launch/common.py's, shared by both loops: only
 where rollouts come from differs (`diff launch/colocated.py launch/async.py`). Default: a tiny
 random Qwen3 and the built-in `succ` task ("7+1=" -> "8"), where a random model scores ~1/64.
-Writes RUN_DIR/metrics.jsonl, TensorBoard logs and reward_curve.png. Hardware: CPU, GPU pools.
-How a run ends (errors, Ctrl-C, --resume): common.main.
+Real data: `--task gsm8k --data train.jsonl --eval-size 200 --eval-every 10` (README: the recipe).
+Writes RUN_DIR/metrics.jsonl, TensorBoard logs and reward_curve.png (held-out pass@k beside the
+reward). Hardware: CPU, or GPUs. How a run ends (errors, Ctrl-C, --resume): common.main.
 """
 
 import common
 
-if __name__ == "__main__":          # the command line and the run's inputs, checked before torch and Ray load
+if __name__ == "__main__":          # the command line and the run's inputs, checked before torch, vLLM and Ray load
     args, task = common.start(__doc__, "runs/async", async_loop=True)
 
 import time                         # noqa: E402
@@ -24,6 +24,8 @@ from actors.training import TrainWorker       # noqa: E402
 
 def train(args, worker: TrainWorker, log, ckpt=None, start=1, evaluate=None):
     """The loop: take rollouts generated elsewhere, train, push weights. One screen, user code."""
+    if evaluate is not None and start == 1:                     # held-out pass@1 / pass@k before training
+        log(0, evaluate())
     t1 = time.perf_counter()
     for step, batches in enumerate(worker.pull_rollouts(), start):   # <= max_staleness versions old
         t2 = time.perf_counter()
@@ -32,15 +34,15 @@ def train(args, worker: TrainWorker, log, ckpt=None, start=1, evaluate=None):
         worker.sync_weights()                                   # push weights to the generators
         t3 = time.perf_counter()
         log(step, common.with_timings(metrics, worker, t2 - t1, t3 - t2))
-        if evaluate is not None and common.eval_due(args, step):   # a generator's current weights
+        if evaluate is not None and common.eval_due(args, step):
             log(step, evaluate())
         if ckpt is not None and step % args.save_every == 0:
             worker.save_checkpoint(ckpt, step)
         t1 = time.perf_counter()
 
 
-def run(args, task):
-    """Build the TrainWorker (and the generation side, by --role), train, plot; both stopped on any exit.
+def run(args, task=None):
+    """Build the TrainWorker (and the generation side, by --role), train, plot; all closed on any exit.
     task: common.prepare's (made and checked before any model; None for --role trainer)."""
     srv = common.start_server(args, task)                       # --role server: the whole job
     if args.role == "server":
@@ -48,7 +50,7 @@ def run(args, task):
     with common.train_worker(args, srv) as worker:
         ckpt, start = common.resumed(args, worker)
         with common.tracked(args, worker.trainer, start) as log:
-            train(args, worker, log, ckpt, start, common.evaluator(args, srv, task))
+            train(args, worker, log, ckpt, start, common.evaluator(args, task, srv))
 
 
 if __name__ == "__main__":

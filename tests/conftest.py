@@ -18,7 +18,7 @@ PYTHON = sys.executable
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from minirl.tiny import build_tiny_model
+    from minirl.recipes.tiny import build_tiny_model
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
 

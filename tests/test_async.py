@@ -15,7 +15,7 @@ import torch
 from minirl import clipped_policy_loss, collate, get_logprobs
 from actors.server import RolloutServer
 from actors.training import TrainWorker
-from minirl.tasks import get_task
+from minirl.recipes.tasks import get_task
 from ray.util.placement_group import PlacementGroup
 
 pytestmark = pytest.mark.slow
@@ -167,7 +167,7 @@ def test_episodes_on_the_async_backend_every_prompt_once(ray_local, tiny_model, 
     """The lookup environment's two-turn episodes (tool call, tool answer, answer) through the
     generators: every prompt trained exactly once, every rollout two sampled turns around the tool's
     two tokens (loss_mask 1 0 0 1)."""
-    from minirl.envs import LookupEnv
+    from minirl.recipes.envs import LookupEnv
     env = LookupEnv(latency_s=(0.0, 0.05))
     prompts, keys = env.sample(12, seed=3)
     srv = RolloutServer(tiny_model, "q-episodes", episode=env.episode, group_size=4, queue_size=16,
@@ -228,7 +228,7 @@ def test_a_trainer_that_fails_to_start_leaves_nothing_behind(ray_local, tiny_mod
 def test_wrong_queue_name_and_wrong_model(ray_local, tiny_model, tmp_path):
     from actors.queue import connect_queue, create_queue
     from minirl.trainer import model_identity
-    from minirl.tiny import build_tiny_model
+    from minirl.recipes.tiny import build_tiny_model
     with pytest.raises(LookupError, match="no rollout queue named nope"):
         connect_queue("nope", timeout_s=0.5)
     create_queue("q-model", max_batches=4, model_id=model_identity(tiny_model))

@@ -18,7 +18,7 @@ import ray
 
 from actors.server import RolloutServer
 from minirl.checkpoint import Checkpointer, read_state
-from minirl.tasks import get_task
+from minirl.recipes.tasks import get_task
 from test_checkpoint import _loop            # train, checkpoint every k steps, pause a moment
 
 pytestmark = pytest.mark.slow

@@ -43,7 +43,7 @@ import pytest
 import ray
 
 from minirl import ppo_loss_fn
-from minirl.tasks import get_task
+from minirl.recipes.tasks import get_task
 
 pytestmark = pytest.mark.slow
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # loop and actor class travel

@@ -16,7 +16,7 @@ import torch
 from conftest import ROOT, run_py
 from minirl import ppo_loss_fn
 from minirl.checkpoint import Checkpointer, CheckpointError, read_state, verify
-from minirl.tasks import get_task
+from minirl.recipes.tasks import get_task
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -110,7 +110,7 @@ def test_colocated_resume_is_exact(tmp_path):
 
 
 def test_resume_with_another_model_is_refused(wm, tmp_path):
-    from minirl.tiny import build_tiny_model
+    from minirl.recipes.tiny import build_tiny_model
     ckpt = Checkpointer(tmp_path / "ck")
     path = wm.save_checkpoint(ckpt, 1)
     state = json.loads((path / "state.json").read_text())

@@ -17,7 +17,7 @@ from conftest import run_py
 from minirl import clipped_policy_loss, get_logprobs, parse_vllm_outputs
 from minirl import vllm_compat as vc
 from minirl.colocated import SyncError, WeightManager, WeightManagerConfig
-from minirl.tasks import get_task
+from minirl.recipes.tasks import get_task
 from minirl.trainer import TrainerConfig
 
 
@@ -138,7 +138,7 @@ def test_engine_graph_mode_by_device_and_head_size(tiny_model, tmp_path):
     """Full CUDA graphs for every step on Hopper where they are exact (head_dim 128), decode-only
     graphs there for other head sizes (head_dim 64: wrong prefill attention under full graphs),
     vLLM's own mode elsewhere; a user's compilation_config, enforce_eager or adapter serving win."""
-    from minirl.tiny import build_tiny_model
+    from minirl.recipes.tiny import build_tiny_model
     mode = vc.default_compilation
     assert mode({}, 128, (9, 0)) == {"cudagraph_mode": "FULL"}
     assert mode({}, 64, (9, 0)) == {"cudagraph_mode": "FULL_DECODE_ONLY"}

@@ -13,7 +13,7 @@ from vllm import SamplingParams
 
 from minirl import (Rollout, RolloutBatch, clipped_policy_loss, collate, get_logprobs,
                     load_rollouts, parse_vllm_outputs, save_rollouts)
-from minirl.tasks import get_task
+from minirl.recipes.tasks import get_task
 
 # vLLM (fp32, CPU) vs HF eager (fp32, CPU): different kernels (fused qkv, oneDNN GEMMs,
 # paged attention) agree to ~1e-6 here; 1e-4 leaves room across machines.

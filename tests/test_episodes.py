@@ -1,4 +1,4 @@
-"""Episodes (minirl.episodes, minirl.envs): token in / token out over several turns, masks and
+"""Episodes (minirl.episodes, minirl.recipes.envs): token in / token out over several turns, masks and
 log-probs aligned to what the engine sampled, chat templates rendered incrementally (a Qwen3-style
 template that drops earlier <think> blocks), tool timeouts, environment errors, context and turn
 limits, tool waits overlapped with generation. Needs: CPU only; the shared tiny engine (`wm`).
@@ -12,7 +12,7 @@ import pytest
 from minirl import episodes, vllm_compat as vc
 from minirl.data import collate
 from minirl.episodes import EpisodeConfig, EpisodeRunner, chat_delta, run_episodes, single_turn
-from minirl.tiny import build_tokenizer
+from minirl.recipes.tiny import build_tokenizer
 
 # Qwen3's rule in small: an assistant turn before the last message loses its <think>...</think> part.
 TEMPLATE = ("{% for m in messages %}{% if m.role == 'assistant' %}{% set c = m.content %}"
@@ -195,7 +195,7 @@ def test_requests_share_nothing_the_engine_changes(wm):
 def test_a_cut_last_turn_ends_the_rollout_with_length(wm):
     """A returned episode ends with its last turn's vLLM finish reason: one cut by max_tokens is
     "length" (what over-long filtering and len/truncated look for), one that sampled EOS is "stop"."""
-    from minirl.filters import overlong_filter
+    from minirl.recipes.filters import overlong_filter
     eos = wm.as_vllm().get_tokenizer().eos_token_id
 
     async def episode(ep):

@@ -73,8 +73,9 @@ def test_defaults_and_good_values_parse():
 
 def test_eval_schedule():
     args = common.parse_args("doc", "runs/x", ["--steps", "7", "--eval-every", "3", "--eval-size", "4"])
-    assert [s for s in range(0, 8) if common.eval_due(args, s)] == [0, 3, 6, 7]
-    assert [s for s in range(4, 8) if common.eval_due(args, s, start=5)] == [6, 7]   # resumed: no baseline
+    assert [s for s in range(1, 8) if common.eval_due(args, s)] == [3, 6, 7]
+    args = common.parse_args("doc", "runs/x", ["--steps", "7"])
+    assert not any(common.eval_due(args, s) for s in range(1, 8))
 
 
 def test_cluster_dashboard_is_loopback_only():
@@ -85,8 +86,8 @@ def test_cluster_dashboard_is_loopback_only():
 
 def test_task_and_env_names_are_minirls():
     """The launcher names the tasks and environments itself (so --help imports nothing heavy): the same."""
-    from minirl.envs import ENVS
-    from minirl.tasks import DATA_TASKS, GENERATED, TASKS
+    from minirl.recipes.envs import ENVS
+    from minirl.recipes.tasks import DATA_TASKS, GENERATED, TASKS
     assert set(common.TASK_NAMES) == {*TASKS, *GENERATED, *DATA_TASKS}
     assert set(common.ENV_NAMES) == set(ENVS)
 
@@ -124,8 +125,24 @@ def test_staleness_metrics_only_in_the_async_loop():
     args = common.parse_args("doc", "runs/x", [])
     colocated = common.train_step(_Trainer(), batch(), args, 1)
     asynchronous = common.train_step(_Trainer(), batch(), args, 1, max_staleness=1)
-    assert not [k for k in colocated if k.startswith("async/")] and colocated["staleness"] == 1
+    assert not [k for k in colocated if "staleness" in k] and asynchronous["staleness"] == 1
     assert sorted(set(asynchronous) - set(colocated)) == [
         "async/rollouts_spanning_versions", "async/staleness_0", "async/staleness_1", "async/staleness_max",
-        "async/staleness_mean", "async/staleness_over"]
+        "async/staleness_mean", "async/staleness_over", "staleness"]
     assert asynchronous["async/staleness_1"] == 2
+
+
+def test_episode_metrics_by_hand():
+    from minirl.data import Rollout, RolloutBatch
+    r = lambda reason, **info: Rollout([1], [2], [-1.0], reward=0.0, finish_reason=reason, info=info)
+    rollouts = [r("stop", turns=1, episode_s=1.0), r("error", turns=2, episode_s=3.0,
+                                                      error="raised ToolTimeout: tool 'f' ran past 0.5 s in ep 1"),
+                r("max_turns", turns=3, episode_s=2.0), r("error", turns=2, episode_s=2.0, error="raised KeyError: 'x'")]
+    m = common.episode_metrics(rollouts)
+    assert m == {"episode/turns": 2.0, "episode/turns_max": 3, "episode/seconds": 2.0, "episode/finish_stop": 0.25,
+                 "episode/finish_length": 0.0, "episode/finish_max_turns": 0.25, "episode/finish_max_model_len": 0.0,
+                 "episode/finish_error": 0.5, "episode/timeouts": 0.25}
+    batch = lambda: [RolloutBatch(rollouts[:2]), RolloutBatch(rollouts[2:])]
+    single = common.train_step(_Trainer(), batch(), common.parse_args("doc", "runs/x", []), 1)
+    multi = common.train_step(_Trainer(), batch(), common.parse_args("doc", "runs/x", ["--env", "lookup"]), 1)
+    assert not [k for k in single if k.startswith("episode/")] and multi["episode/turns"] == 2.0

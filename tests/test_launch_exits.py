@@ -171,3 +171,26 @@ def test_interrupt_inside_an_episode_task_ends_the_session_without_a_trace():
     cancelled, Interrupted raised out of asyncio.run, nothing logged about a task's lost exception."""
     res = run_py(["-c", INSIDE_A_TASK], timeout=60)
     assert (res.returncode, res.stdout.split()[:2], res.stderr) == (0, ["interrupted", "2"], ""), res.stderr
+
+
+def _lines(text: str) -> list[str]:
+    """Output lines as a terminal leaves them: a progress bar's redraws (\\r) count once."""
+    return [ln.split("\r")[-1] for ln in text.splitlines() if ln.split("\r")[-1].strip()]
+
+
+@pytest.mark.slow
+def test_a_default_run_speaks_plainly_and_verbose_shows_the_libraries(tmp_path):
+    """Without flags a run prints its directory, settings, progress bar and results, and other
+    libraries' errors only: no INFO / WARNING line, no deprecation, no loader bar. --verbose brings
+    vLLM's own lines back (so the quiet is minirl's doing)."""
+    argv = [SCRIPT, "--steps", "2", "--prompts", "4", "--group-size", "2", "--backends", ""]
+    res = run_py([*argv, "--run-dir", str(tmp_path / "a")], timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = _lines(res.stdout + res.stderr)
+    ours = ("run dir: ", "settings: ", "a: ", "reward curve: ", "reward: ")
+    others = [ln for ln in lines if not ln.startswith(ours)]
+    assert len(others) <= 2 and not [ln for ln in lines if "INFO" in ln or "WARNING" in ln or "Warning" in ln
+                                       or "Loading" in ln], lines
+    assert [ln for ln in lines if ln.startswith("reward: ")][0].endswith("(step 2)")
+    res = run_py([*argv, "--run-dir", str(tmp_path / "b"), "--verbose"], timeout=300)
+    assert res.returncode == 0 and any("INFO" in ln for ln in _lines(res.stdout + res.stderr))

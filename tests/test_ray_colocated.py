@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from actors.colocated import ColocatedGroup, run_spmd
-from minirl.tasks import get_task
+from minirl.recipes.tasks import get_task
 
 pytestmark = pytest.mark.slow
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -1,4 +1,4 @@
-"""minirl.rewards: math extraction and equality, the code sandbox, format rewards, combine.
+"""minirl.recipes.rewards: math extraction and equality, the code sandbox, format rewards, combine.
 
 CPU only; about 15 s on 2 cores, a third of it importing minirl (torch). Each run_code case
 starts one Python process (~0.1 s); the two hang cases wait out their 1 s limit.
@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from minirl import rewards
-from minirl.rewards import (code_reward, combine, extract_answer, extract_code, format_reward,
+from minirl.recipes import rewards
+from minirl.recipes.rewards import (code_reward, combine, extract_answer, extract_code, format_reward,
                             gsm8k_reward, math_equal, math_reward, run_code)
 
 # -------------------------------------------------------------------------------------- math
@@ -277,7 +277,7 @@ def test_code_reward(caplog):
     assert code_reward(fenced, tests[:2], partial=False) == 1.0
     assert code_reward("I cannot solve this.", tests) == 0.0     # prose: a syntax error
     assert code_reward("   ", tests) == 0.0                      # no code, no process
-    with caplog.at_level(logging.WARNING, logger="minirl.rewards"):
+    with caplog.at_level(logging.WARNING, logger="minirl.recipes.rewards"):
         assert code_reward("```python\nimport os; os._exit(3)\n```", tests) == 0.0
     assert "crash (exit 3)" in caplog.text
 

@@ -1,5 +1,5 @@
 """Tasks (toys, datasets from JSONL / CSV / parquet / saved directories, chat templates), the DAPO switches
-(minirl.filters), evaluation metrics (minirl.evaluation), a short GSM8K-format run of
+(minirl.recipes.filters), evaluation metrics (minirl.evaluation), a short GSM8K-format run of
 launch/colocated.py and a short launch/async.py run, both with evaluation (marked slow). CPU only;
 about 2 minutes on 2 idle cores, nearly all of it the two launch runs.
 """
@@ -12,12 +12,12 @@ import re
 import pytest
 
 from conftest import run_py
-from minirl import filters
+from minirl.recipes import filters
 from minirl.data import Rollout, RolloutBatch
 from minirl.evaluation import eval_metrics, pass_at_k
-from minirl.rewards import gsm8k_reward
-from minirl.tasks import get_task, load_rows, load_task, render
-from minirl.tiny import build_tokenizer
+from minirl.recipes.rewards import gsm8k_reward
+from minirl.recipes.tasks import get_task, load_rows, load_task, render
+from minirl.recipes.tiny import build_tokenizer
 
 ROWS = [{"question": f"q{i}", "answer": f"so {i}\n#### {i}", "extra": i} for i in range(10)]
 
@@ -277,8 +277,9 @@ def test_gsm8k_run_logs_evaluation(tmp_path):
 
 @pytest.mark.slow
 def test_async_run_evaluates_on_a_generator(tmp_path):
-    """launch/async.py with --eval-every: the trainer evaluates on a generator after its syncs and
-    logs which policy version it judged (the one it had just pushed)."""
+    """launch/async.py with --eval-every: the trainer evaluates on a generator before step 1 (the
+    starting weights, version 0) and after its syncs, and logs which policy version it judged (the one
+    it had just pushed)."""
     run = tmp_path / "run"
     p = run_py(["launch/async.py", "--run-dir", str(run), "--backends", "", "--task", "add", "--steps", "2",
                 "--prompts", "4", "--group-size", "2", "--eval-size", "4", "--eval-every", "1",
@@ -286,7 +287,7 @@ def test_async_run_evaluates_on_a_generator(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in recs if "eval/pass@1" in r]
-    assert [r["step"] for r in evals] == [1, 2] and [r["eval/policy_version"] for r in evals] == [1, 2]
+    assert [r["step"] for r in evals] == [0, 1, 2] and [r["eval/policy_version"] for r in evals] == [0, 1, 2]
     assert all(r["eval/prompts"] == 4 and 0 <= r["eval/pass@2"] <= 1 for r in evals)
     assert all("async/staleness_0" in r for r in recs if "loss" in r)
 
@@ -318,7 +319,7 @@ def test_arith_task_holds_out_a_fifth_and_renders_the_template():
     """arith: 900 problems, the 180 held out (a + 2b = 0 mod 5) never drawn for training, prompts
     through the chat template, references the sums, scored on the final number."""
     from transformers import PreTrainedTokenizerFast
-    from minirl.tiny import build_tokenizer
+    from minirl.recipes.tiny import build_tokenizer
     tok: PreTrainedTokenizerFast = build_tokenizer()
     tok.chat_template = TEMPLATE
     task = load_task("arith", tokenizer=tok, eval_size=180, seed=3)

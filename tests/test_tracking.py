@@ -1,4 +1,4 @@
-"""minirl.tracking on CPU: JSONL/config files, ranks, TensorBoard, fake W&B/MLflow, plots, CLI."""
+"""minirl.recipes.tracking on CPU: JSONL/config files, ranks, TensorBoard, fake W&B/MLflow, plots, CLI."""
 
 import json
 import math
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from minirl.tracking import Tracker, plot_metrics, read_metrics
+from minirl.recipes.tracking import Tracker, plot_metrics, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -183,7 +183,7 @@ def test_cli_plot(tmp_path):
     _write_run(tmp_path)
     out = tmp_path / "cli.png"
     root = Path(__file__).resolve().parents[1]
-    res = subprocess.run([sys.executable, "-m", "minirl.tracking", "plot", str(tmp_path / "run"),
+    res = subprocess.run([sys.executable, "-m", "minirl.recipes.tracking", "plot", str(tmp_path / "run"),
                           "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == str(out)

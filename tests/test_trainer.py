@@ -363,7 +363,7 @@ def test_varlen_attention_plumbing_on_cpu(tmp_path, monkeypatch):
     import torch.nn.attention.varlen as varlen
     from transformers import AutoModelForCausalLM
     from minirl import trainer as trainer_mod
-    from minirl.tiny import build_tiny_model
+    from minirl.recipes.tiny import build_tiny_model
     monkeypatch.setattr(varlen, "varlen_attn", _reference_varlen_attn)
     path = build_tiny_model(tmp_path / "gqa", hidden_size=256, num_heads=4, num_kv_heads=2)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
@@ -554,7 +554,7 @@ def test_a_planned_micro_batch_stays_under_largest(tiny_model, monkeypatch):
 def test_a_planned_micro_batch_that_never_fits_recomputes_at_16384(tmp_path, monkeypatch):
     """Planned, but 8,192 tokens do not fit either (2 GiB + 1 MiB a token, 10 GiB usable, AdamW 1 GiB):
     16,384 tokens with the fewest of 8 layers recomputed, as a user's 16,384 would (the test below)."""
-    from minirl.tiny import build_tiny_model
+    from minirl.recipes.tiny import build_tiny_model
     from minirl.trainer import Trainer, TrainerConfig
     gib = 2**30
     tr = Trainer(str(build_tiny_model(tmp_path / "m8", num_layers=8)), TrainerConfig(lr=1e-3))
@@ -575,7 +575,7 @@ def test_the_fewest_layers_that_fit_are_recomputed(tmp_path, monkeypatch, bump_g
     tokens (10 + 1 GiB) do not fit either, so the fewest layers that do: 18 + 1 - 10 = 9 GiB to
     save, 6 layers (2 + 16 * 7/16 + 1 = 10 GiB). When a partial trial peaks 0.5 GiB above that
     line, 6 layers do not fit and the next count, 7, does (2 + 5.5 + 0.5 + 1 = 9 GiB)."""
-    from minirl.tiny import build_tiny_model
+    from minirl.recipes.tiny import build_tiny_model
     from minirl.trainer import Trainer, TrainerConfig
     gib = 2**30
     tr = Trainer(str(build_tiny_model(tmp_path / "m8", num_layers=8)), TrainerConfig(lr=1e-3, micro_batch_tokens=16384))
@@ -595,7 +595,7 @@ def test_a_full_trial_over_its_prediction_recomputes_the_fewest_layers_not_all(t
     10 usable) but the full trial peaks 3 GiB above its line (12.4 GiB). Its measured peak, not the
     prediction, draws the line to the every-layer trial (2 + 1.6 + 1 = 4.6 GiB, 0.975 GiB a layer):
     ceil(2.4 / 0.975) = 3 of 8 layers, which fit (7.6 GiB); not every layer, which also fits."""
-    from minirl.tiny import build_tiny_model
+    from minirl.recipes.tiny import build_tiny_model
     from minirl.trainer import Trainer, TrainerConfig
     gib = 2**30
     tr = Trainer(str(build_tiny_model(tmp_path / "m8", num_layers=8)), TrainerConfig(lr=1e-3, micro_batch_tokens=16384))
@@ -614,7 +614,7 @@ def test_a_partial_trial_out_of_memory_halves_the_range(tmp_path, monkeypatch):
     """As the test above, but every trial recomputing fewer than 6 of the 8 layers runs out of memory
     (None), the full one without recomputation too: no line to draw, so the range 0..8 is halved (4
     fails), then 4..8 (6 fits), and 6 is what stays recomputing."""
-    from minirl.tiny import build_tiny_model
+    from minirl.recipes.tiny import build_tiny_model
     from minirl.trainer import Trainer, TrainerConfig
     gib = 2**30
     tr = Trainer(str(build_tiny_model(tmp_path / "m8", num_layers=8)), TrainerConfig(lr=1e-3, micro_batch_tokens=16384))

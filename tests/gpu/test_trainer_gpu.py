@@ -30,7 +30,7 @@ def _run(trainer, rollouts, budget):
 
 
 def test_varlen_packing_matches_unpacked_and_sdpa(tmp_path):
-    from minirl.tiny import build_tiny_model
+    from minirl.recipes.tiny import build_tiny_model
     from minirl.trainer import Trainer, TrainerConfig
     model = str(build_tiny_model(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2))  # GQA
     varlen = Trainer(model, TrainerConfig(attention="varlen"))
@@ -106,7 +106,7 @@ def test_optimizer_state_to_host_frees_the_device_and_steps_unchanged(tmp_path):
     host frees its device memory, bringing it back overlaps a forward and backward, and the step
     after each round trip gives exactly the weights of a trainer whose state stayed."""
     from minirl import ppo_loss_fn
-    from minirl.tiny import build_tiny_model
+    from minirl.recipes.tiny import build_tiny_model
     from minirl.trainer import Trainer, TrainerConfig
     from test_trainer import _rollouts
     model = str(build_tiny_model(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2))

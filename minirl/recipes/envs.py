@@ -11,7 +11,7 @@ minirl.episodes); run one with `launch/colocated.py --env NAME` or `launch/async
 - `*-noise`: the same with the environment's digit replaced by a random one (the ablation: `lookup-noise`
   cannot be learned beyond guessing a digit, ~0.1).
 
-CPU only, no downloads. `python -m minirl.envs lookup` prints an episode's text with a random model.
+CPU only, no downloads. `python -m minirl.recipes.envs lookup` prints an episode's text with a random model.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def get_env(name: str):
 
 def workload(task, env: str | None = None):
     """(episode function, sample(n, seed)): environment `env`'s, else the one-turn episode scored by
-    task.reward and task.sample (a minirl.tasks.Task)."""
+    task.reward and task.sample (a minirl.recipes.tasks.Task)."""
     from minirl.episodes import single_turn
     if env:
         e = get_env(env)
@@ -95,7 +95,7 @@ if __name__ == "__main__":
     import sys
     from minirl import vllm_compat as vc
     from minirl.episodes import run_episodes
-    from minirl.tiny import build_tiny_model
+    from minirl.recipes.tiny import build_tiny_model
     e = get_env(sys.argv[1] if len(sys.argv) > 1 else "lookup")
     llm = vc.build_llm(str(build_tiny_model("/tmp/minirl-envs-tiny")), dtype="float32", max_model_len=64,
                        **vc.engine_kwargs({}, sleep=False, seed=0, colocated=False))

@@ -8,7 +8,7 @@ also holds config.json (the `config` dict) and tb/. Only rank 0 writes; CPU, any
     with Tracker("runs/gsm8k", total_steps=200, config=cfg) as tracker:
         for step in range(1, 201):      # the bar's position is `step`: count from 1
             tracker.log({"reward/mean": r, "loss": loss, "time/generate": t_gen}, step=step)
-    python -m minirl.tracking plot runs/gsm8k [--out curves.png] [--keys loss kl]
+    python -m minirl.recipes.tracking plot runs/gsm8k [--out curves.png] [--keys loss kl]
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def plot_metrics(jsonl_path, out_png, *, keys=None) -> Path:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m minirl.tracking")
+    ap = argparse.ArgumentParser(prog="python -m minirl.recipes.tracking")
     ap.add_argument("cmd", choices=["plot"], help="plot: reward and timing curves of a run as a PNG")
     ap.add_argument("path", help="a run dir or its metrics.jsonl")
     ap.add_argument("--out", help="PNG path (default: metrics.png next to the JSONL)")

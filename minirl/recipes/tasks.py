@@ -6,7 +6,7 @@ held-out split for evaluation. Prompts of dataset tasks go through the tokenizer
 has one (system prompt, Qwen3 thinking on/off), so the model is trained as it is served. CPU, no
 downloads (`datasets` reads the files).
 
-    python -m minirl.tasks add                                   # a few toy prompts and answers
+    python -m minirl.recipes.tasks add                                   # a few toy prompts and answers
     task = load_task("gsm8k", data="gsm8k_train.jsonl", tokenizer=tok, eval_size=200)
     prompts, answers = task.sample(32, seed=step)                # reward_fn: task.reward
 """
@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
-from minirl import rewards
+from minirl.recipes import rewards
 
 
 def prefix_reward(prompt: str, completion: str, answer: str) -> float:

@@ -1,7 +1,7 @@
 """A tiny random-init causal LM (it knows nothing until trained) and character tokenizer, built locally
 in about a second for tests and the demo. CPU, no network; loads in transformers and vLLM's CPU build.
 
-    python -m minirl.tiny /tmp/tiny        # writes config, safetensors and tokenizer there
+    python -m minirl.recipes.tiny /tmp/tiny        # writes config, safetensors and tokenizer there
 """
 
 from __future__ import annotations
