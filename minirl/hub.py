@@ -124,6 +124,13 @@ class RolloutHub:
     def _known(self, uid) -> bool:     # pending, leased, buffered, delivered or failed
         return uid in self._items or uid in self._delivered or uid in self._failed
 
+    def _saw(self, version: int | None) -> None:
+        """A generator holds weights of `version`: a trainer published it. A rebuilt hub learns so the
+        versions of a trainer lost with it, so a trainer restored from an older checkpoint (rollback)
+        orphans them and publishes above them, never reusing one."""
+        if version is not None:
+            self._top_version = max(self._top_version, int(version))
+
     def _orphan(self, version: int | None) -> bool:
         """Weights of this version came from a trainer that died after its last checkpoint."""
         return version is not None and any(lo < version <= hi for lo, hi in self._orphaned)
@@ -208,6 +215,7 @@ class RolloutHub:
     def take_prompts(self, worker_id: str, k: int, version: int | None = None) -> list[PromptItem] | None:
         """Lease up to k pending prompts (oldest first, as copies) to `worker_id`; [] when none are
         pending; None, leasing nothing, when its weights' `version` lags more than max_staleness."""
+        self._saw(version)
         if self._pending and self._orphan(version):
             return None
         if (self._pending and version is not None and self.max_staleness is not None
@@ -263,6 +271,8 @@ class RolloutHub:
                 raise ValueError("RolloutBatch.uid is None: set it to the uid of the PromptItem it answers")
             if len(b) == 0:
                 raise ValueError(f"RolloutBatch for uid {b.uid!r} has no rollouts")
+        for b in batches:
+            self._saw(max(r.policy_version for r in b))
         before, orphans = len(self._buffer), [b.uid for b in batches if self._orphan(b.policy_version)]
         self._requeue_front([u for u in orphans if self._leases.get(u) == worker_id])
         for b in batches:

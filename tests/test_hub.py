@@ -248,6 +248,24 @@ def test_rollback_redelivers_what_the_restored_trainer_did_not_train():
     assert hub.finished() and hub.stats()["delivered"] == 8
 
 
+def test_a_rebuilt_queue_learns_the_lost_trainers_versions_from_the_generators():
+    """The queue and the trainer die together: the rebuilt hub knows no version, but a generator on
+    the lost trainer's version 67 leases (or delivers) before the trainer restored at 65 rolls back:
+    66..67 are orphaned, the trainer publishes 68, and that generator must reload."""
+    for report in ("lease", "deliver"):
+        hub = RolloutHub(max_batches=4, restarted=True)
+        hub.rejoin_server(prompts(range(4)), True, {})
+        if report == "lease":
+            assert hub.take_prompts("g", 2, version=67) == []      # a rebuilt hub leases nothing yet
+        else:
+            assert hub.put_batches("g", [batch(9, 67)]) == 0        # unknown uid: dropped, version seen
+        assert hub.rollback([], 65) == 68
+        assert hub.take_prompts("g", 1, version=67) is None and hub.take_prompts("g", 1, version=66) is None
+        hub.set_version(68)
+        hub.awaiting.clear()
+        assert uids(hub.take_prompts("g", 2, version=68)) == [0, 1]
+
+
 def test_rollback_on_a_fresh_queue_marks_trained_as_delivered():
     hub = RolloutHub(max_batches=2)                             # the queue actor restarted empty
     assert hub.rollback([0, 2], 5) == 5
