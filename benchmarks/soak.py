@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")    # a private local cluster (Ray 2.60 token auth)
+KINDS = ["generator", "queue", "trainer", "queue+trainer"]
 WAVE = 64                                   # prompts added whenever fewer than a wave wait
 LLM = {"max_model_len": 128, "enforce_eager": True}
 
@@ -101,7 +102,7 @@ def soak(args) -> dict:
     srv.run(block=False)
     pg, actor, run = trainer(False)
     started, kills, resumes = time.time(), [], []
-    out = {"seed": args.seed, "generators": args.generators, "kill_log": kills, "error": None}
+    out = {"seed": args.seed, "generators": args.generators, "kinds": args.kinds, "kill_log": kills, "error": None}
     try:
         trainer_since, end = time.time(), time.time() + 60 * args.minutes
         while time.time() < end:
@@ -112,9 +113,13 @@ def soak(args) -> dict:
                 if ready:
                     ray.get(run)                       # the trainer failed: raise its error
                     raise RuntimeError("the trainer returned before the queue was closed")
-            kind = rng.choice(["generator", "queue", "trainer", "queue+trainer"])
+            if args.kinds == ["none"]:               # the control: the same run, nothing killed
+                continue
+            kind = rng.choice(args.kinds)
             if "trainer" in kind and not checkpointed_since(trainer_since):
-                kind = "generator" if kind == "trainer" else "queue"
+                kind = {"trainer": "generator", "queue+trainer": "queue"}[kind]
+                if kind not in args.kinds:
+                    continue
             q = srv.queue_stats()
             kills.append({"t": round(time.time() - started, 1), "kind": kind, "delivered": q["delivered"],
                           "version": q["version"]})
@@ -191,6 +196,8 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=30.0, help="how long kills go on (then the run finishes)")
     ap.add_argument("--max-gap", type=float, default=40.0, help="seconds between kills at most (at least 5)")
     ap.add_argument("--generators", type=int, default=2)
+    ap.add_argument("--kinds", type=lambda s: s.split(","), default=KINDS,
+                    help=f"comma list of what to kill, from {','.join(KINDS)} (default: all; none: the control)")
     ap.add_argument("--save-every", type=int, default=5, help="trainer steps between checkpoints")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", default="/tmp/minirl-soak", help="model, checkpoints (scratch)")
@@ -198,8 +205,9 @@ def main() -> None:
     args = ap.parse_args()
     out = soak(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), **out}, indent=1, default=str))
-    Path(args.out).with_suffix(".md").write_text(f"`{' '.join(sys.argv)}`\n\n{table(out)}")
+    command = " ".join(["python", str(Path(sys.argv[0]).resolve().relative_to(ROOT)), *sys.argv[1:]])
+    Path(args.out).write_text(json.dumps({"command": command, **out}, indent=1, default=str))
+    Path(args.out).with_suffix(".md").write_text(f"`{command}`\n\n{table(out)}")
     print(table(out))
     sys.exit(0 if out["ok"] else 1)
 
