@@ -15,7 +15,8 @@ queue is closed at the end). A chaos loop waits a seeded 5..--max-gap s, then ki
 A trainer is killed only once it has checkpointed since it started. At the end: the trained uids
 (the last trainer's, those restored from checkpoints included) are exactly 0..N-1 once each; no policy
 version was reused after a trainer kill (the new trainer's version is past every version the queue
-saw, or the checkpoint's when none was published after it); every generator holds the final weights.
+saw, or the checkpoint's when none was published after it); every generator holds the final weights;
+no generator's run() failed.
 Writes --out (JSON) and a markdown table beside it. Hardware: CPU (2 cores: about 2 steps a second).
 """
 
@@ -167,8 +168,9 @@ def soak(args) -> dict:
         print("error:", out["error"].splitlines()[0], flush=True)
     out |= {"minutes": round((time.time() - started) / 60, 1), "prompts": submitted[0],
             "kills": dict(Counter(k["kind"] for k in kills)), "resumes": resumes}
-    out["ok"] = out["error"] is None and all(out.get(k) for k in ("exactly_once", "versions_not_reused",
-                                                                  "generators_on_final"))
+    out["generator_failures"] = out.get("server", {}).get("failures")   # a generator's run() that raised
+    out["ok"] = out["error"] is None and out["generator_failures"] == 0 and all(
+        out.get(k) for k in ("exactly_once", "versions_not_reused", "generators_on_final"))
     try:
         srv.shutdown(remove_queue=True)
         ray.kill(actor)
@@ -187,6 +189,7 @@ def table(out: dict) -> str:
             ("every prompt trained exactly once", get("exactly_once")),
             ("no version reused after a trainer kill", get("versions_not_reused")),
             ("generators on the final weights", get("generators_on_final")),
+            ("generator failures (a run() that raised)", get("generator_failures")),
             ("error", (out["error"] or "none").splitlines()[0][:300])]
     return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"
 
