@@ -405,7 +405,7 @@ def start_server(args, task):
     from minirl.recipes.envs import workload
     episode, sample = workload(task, args.env)           # --env: its episodes; else one turn, task.reward
     prompts, answers = sample(args.steps * args.prompts, seed=args.seed)
-    t, n = time.time(), f"{args.generators} generator{'s' * (args.generators != 1)}"
+    t, n = time.time(), generators(args)
     say(f"starting: Ray, the rollout queue and {n}, each loading the model into vLLM")
     srv = RolloutServer(model_path(args), args.queue, reward_fn=task.reward, episode=episode if args.env else None,
                         num_generators=args.generators,
@@ -503,18 +503,22 @@ def settings(args) -> str:
     """The run's main settings on one line (all of them: RUN_DIR/args.json)."""
     model = args.model or "tiny random Qwen3 (built in RUN_DIR/tiny-model)"
     work = f"env {args.env}" if args.env else f"task {args.task}" + (f" ({args.data})" if args.data else "")
-    where = (f", {args.generators} generator{'s' * (args.generators != 1)}, max staleness {args.max_staleness}"
+    where = (f", {generators(args)}, max staleness {args.max_staleness}"
              if hasattr(args, "max_staleness") and args.role != "trainer" else "")
     return (f"{model}, {work}, {args.steps} steps of {args.prompts} prompts x {args.group_size} samples "
             f"x {args.max_tokens} tokens, lr {args.lr:g}, seed {args.seed}{where}")
 
 
+def generators(args) -> str:
+    return f"{args.generators} generator{'s' * (args.generators != 1)}"
+
+
 def results(run_dir) -> list[str]:
     """What the run reached, from RUN_DIR/metrics.jsonl: the mean reward of its first and last steps,
     and the held-out pass@1 of its first and last evaluations."""
+    from minirl.recipes.tracking import read_metrics
     path = Path(run_dir) / "metrics.jsonl"
-    recs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
-    out = []
+    recs, out = read_metrics(path) if path.exists() else [], []
     for key, what in (("reward/mean", "reward"), ("eval/pass@1", "held-out pass@1")):
         seen = [(r["step"], r[key]) for r in recs if key in r]
         if seen:
@@ -699,13 +703,14 @@ def start(doc: str, run_dir: str, *, async_loop: bool = False):
         return args, prepare(args)
 
 
+REDUCE_OP = "`torch.distributed.reduce_op` is deprecated"
 QUIET = {
     "VLLM_LOGGING_LEVEL": "ERROR",              # vLLM's INFO and WARNING lines (its engine arguments, its
                                                 # advice on LD_PRELOAD, thread binding, deprecations)
     "TORCH_CPP_LOG_LEVEL": "ERROR",             # torch's C++ warnings ([W...] NUMA binding)
     "TRANSFORMERS_VERBOSITY": "error",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",        # transformers' "Loading weights" / "Writing model shards"
-    "PYTHONWARNINGS": "ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning",   # vLLM's import
+    "PYTHONWARNINGS": f"ignore:{REDUCE_OP}:FutureWarning",   # vLLM's import, in the processes it starts
 }
 """What a run without --verbose sets where the user has not (inherited by every process it starts, Ray's
 workers and actors on a local cluster included): other libraries' logs at ERROR, no progress bars but
@@ -718,7 +723,7 @@ def quiet() -> None:
     for k, v in QUIET.items():
         os.environ.setdefault(k, v)
     logging.getLogger("vllm").setLevel(logging.ERROR)   # its lines logged before vLLM configures its logger
-    warnings.filterwarnings("ignore", message="`torch.distributed.reduce_op` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=REDUCE_OP, category=FutureWarning)   # and in this one
 
 
 def main(run, args, task=None) -> None:
