@@ -186,14 +186,24 @@ class Episode:
         return ids
 
     async def call(self, fn: Callable, *args, timeout_s: float | None = None, **kwargs):
-        """Run a tool: an async function awaited, a sync one in a thread, either with a timeout
-        (default EpisodeConfig.tool_timeout_s); raises ToolTimeout naming the tool and this episode."""
+        """Run a tool: an async function awaited, a sync one in a daemon thread of its own, either with
+        a timeout (default EpisodeConfig.tool_timeout_s); raises ToolTimeout naming the tool and this
+        episode. A sync tool still running at its timeout is abandoned (Python cannot stop a thread):
+        nothing waits for it, the run returns, and runner.stats["abandoned_threads"] counts it.
+        info["tool_calls"], ["tool_s"] and ["tool_timeouts"] add up this episode's calls."""
+        from minirl.faults import in_thread
         timeout = self.runner.config.tool_timeout_s if timeout_s is None else timeout_s
-        aw = fn(*args, **kwargs) if inspect.iscoroutinefunction(fn) else asyncio.to_thread(fn, *args, **kwargs)
+        sync = not inspect.iscoroutinefunction(fn)
+        t0 = time.perf_counter()
         try:
-            return await asyncio.wait_for(aw, timeout)
+            return await asyncio.wait_for(in_thread(fn, *args, **kwargs) if sync else fn(*args, **kwargs), timeout)
         except asyncio.TimeoutError as e:
+            self.info["tool_timeouts"] = self.info.get("tool_timeouts", 0) + 1
+            self.runner.stats["abandoned_threads"] += sync
             raise ToolTimeout(f"tool {getattr(fn, '__name__', fn)!r} ran past {timeout} s in {self.name}") from e
+        finally:
+            self.info["tool_calls"] = self.info.get("tool_calls", 0) + 1
+            self.info["tool_s"] = self.info.get("tool_s", 0.0) + time.perf_counter() - t0
 
     @property
     def text(self) -> str:
@@ -286,7 +296,8 @@ class EpisodeRunner:
         self.tokenizer = tokenizer or llm.get_tokenizer()   # its chat template renders messages
         self.max_model_len = vc.max_model_len(llm)
         self.policy_version = 0        # set by the owner when it loads weights (between steps)
-        self.stats = {"steps": 0, "requests": 0, "admissions": 0, "episodes": 0, "errors": 0, "limits": 0}
+        self.stats = {"steps": 0, "requests": 0, "admissions": 0, "episodes": 0, "errors": 0, "limits": 0,
+                      "abandoned_threads": 0}
         self._ids = count()
         self._futures: dict[str, asyncio.Future] = {}
         self._held: dict[str, tuple] = {}          # requests waiting to enter (admit_wait_steps)

@@ -2,6 +2,7 @@
 
     batches, failed = run_each(gen.generate, items)     # failed: [(uid, "ValueError: ...")]
     reward = bounded(reward_fn, 30.0, "reward_fn")      # TimeoutError instead of a hang
+    value = await asyncio.wait_for(in_thread(tool, x), 5.0)   # a thread nobody joins
     check_settings("RolloutServer", group_size, sampling, reward_fn, 30.0, "stop", {})   # before engines
 
 No Ray here. Tests: `pytest tests/test_hub.py -k faults`. Hardware: CPU (any).
@@ -9,6 +10,7 @@ No Ray here. Tests: `pytest tests/test_hub.py -k faults`. Hardware: CPU (any).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Callable
 
@@ -45,6 +47,29 @@ def bounded(fn: Callable, timeout_s: float | None, what: str = "the call") -> Ca
             raise value
         return value
     return call
+
+
+def in_thread(fn: Callable, *args, **kwargs) -> asyncio.Future:
+    """fn(*args, **kwargs) in a daemon thread of its own, as a future of the running event loop.
+    Unlike asyncio.to_thread, nothing ever joins that thread: a call that never returns holds neither
+    the loop nor asyncio.run's shutdown (which joins its default pool's threads, on 3.11 without a
+    limit), nor the interpreter's exit. Cancel or time out the future to stop waiting; the thread
+    ends when fn does, its result unused."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(ok: bool, value) -> None:
+        if not future.done():
+            future.set_result(value) if ok else future.set_exception(value)
+
+    def work() -> None:
+        ok, value = _outcome(fn, args, kwargs)
+        try:
+            loop.call_soon_threadsafe(settle, ok, value)
+        except RuntimeError:                    # the loop closed meanwhile: nobody waits for it
+            pass
+    threading.Thread(target=work, daemon=True, name=f"minirl-{getattr(fn, '__name__', 'call')}").start()
+    return future
 
 
 def _outcome(fn, args, kwargs) -> tuple[bool, object]:

@@ -167,7 +167,7 @@ class Generator:
                     job.run_direct()
                 for t in threads:
                     t.join(join_s)
-                self.stats.update(busy_s=self.runner.stats["busy_s"], serve_s=self.runner.stats["serve_s"])
+                self.stats.update({k: self.runner.stats[k] for k in ("busy_s", "serve_s", "abandoned_threads")})
         if errors:
             raise errors[0]
 

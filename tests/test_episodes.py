@@ -5,6 +5,7 @@ limits, tool waits overlapped with generation. Needs: CPU only; the shared tiny 
 """
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -252,6 +253,33 @@ def test_tool_timeout_error_and_waits_overlap(wm):
     assert max(done[i] for i in range(2, 6)) < done["slow_to"] and most[0] == 4
     with pytest.raises(RuntimeError, match=r"episode 1 of prompt uid=1 \('2\+1='\) raised ValueError"):
         EpisodeRunner(wm.as_vllm()).run(episode, ["1+1=", "2+1="])
+
+
+def test_a_tool_that_never_returns_holds_nothing(wm):
+    """Sync tools that never return (they wait on an event set only 30 s later) time out after 0.5 s:
+    each episode ends with its ToolTimeout, the run returns at once (no thread joined), and every
+    abandoned thread is counted. Before, asyncio.run joined its pool's threads: the run took 30 s."""
+    release = threading.Event()
+    threading.Timer(30.0, release.set).start()          # the test ends even if the run waits for them
+
+    def stuck():
+        release.wait()
+
+    async def episode(ep):
+        await ep.generate(max_tokens=2)
+        await ep.call(stuck, timeout_s=0.5)
+        return 1.0
+    runner = EpisodeRunner(wm.as_vllm(), config=EpisodeConfig(on_error="record"))
+    t = time.perf_counter()
+    try:
+        rollouts = [r for b in runner.run(episode, ["1+1=", "2+1="], group_size=2) for r in b]
+        elapsed = time.perf_counter() - t
+    finally:
+        release.set()
+    assert elapsed < 5, f"the run waited {elapsed:.1f} s for its stuck tools"
+    assert runner.stats["abandoned_threads"] == 4 and [r.finish_reason for r in rollouts] == ["error"] * 4
+    assert all("ToolTimeout" in r.info["error"] and "'stuck'" in r.info["error"] for r in rollouts)
+    assert all(r.info["tool_calls"] == 1 == r.info["tool_timeouts"] and r.info["tool_s"] >= 0.5 for r in rollouts)
 
 
 def test_context_and_turn_limits_end_with_a_reason(wm):

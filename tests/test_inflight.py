@@ -202,3 +202,32 @@ def test_a_prompt_the_engine_refuses_fails_alone(gen):
     assert sorted(b.uid for bs, _ in got for b in bs) == ["a", "b"]
     (uid, cause), = [f for _, fs in got for f in fs]
     assert uid == "bad" and "prompt uid='bad'" in cause and "out of vocabulary" in cause
+
+
+def test_a_tool_that_never_returns_does_not_hold_the_generator(gen):
+    """The async side: an episode's sync tool never returns (until an event set 30 s later); at its
+    0.5 s timeout the prompt is a failure naming ToolTimeout, the other prompt is delivered, serve()
+    returns as soon as the lease runs dry, and the generator counts the abandoned thread."""
+    release = threading.Event()
+    threading.Timer(30.0, release.set).start()
+
+    async def episode(ep):
+        turn = await ep.generate(max_tokens=2)
+        if ep.uid == "stuck":
+            await ep.call(release.wait, timeout_s=0.5)
+        return 1.0
+    g, before = gen, (gen.episode, gen.runner.stats["abandoned_threads"])
+    g.episode = episode
+    got, t = [], time.perf_counter()
+    try:
+        serve_in_thread(g, [PromptItem(uid="stuck", prompt="1+1="), PromptItem(uid="ok", prompt="2+1=")], 2,
+                        got).join(60)
+        elapsed = time.perf_counter() - t
+    finally:
+        g.episode = before[0]
+        release.set()
+    assert elapsed < 5, f"serve() waited {elapsed:.1f} s for a stuck tool"
+    assert [b.uid for bs, _ in got for b in bs] == ["ok"]
+    (uid, cause), = [f for _, fs in got for f in fs]
+    assert uid == "stuck" and "ToolTimeout" in cause and "'wait'" in cause
+    assert g.runner.stats["abandoned_threads"] - before[1] == 1 and g.stats["abandoned_threads"] >= 1
