@@ -82,7 +82,7 @@ class RolloutServer:
     def restore(self, checkpoint) -> dict:
         """Resume the prompt bookkeeping of a checkpoint (TrainWorker.save_checkpoint; a directory or a
         Checkpointer root): prompts trained before it never come back, its queued rollouts return."""
-        from minirl.hub import checkpointed_queue
+        from minirl.checkpoint import checkpointed_queue
         path, trained, queued = checkpointed_queue(checkpoint)
         self._q(self.queue.restore, trained, queued)
         return {"path": path, "trained": len(trained), "queued": len(queued)}

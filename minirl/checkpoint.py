@@ -271,3 +271,13 @@ def read_state(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"{objects} holds a type outside minirl's allow-list; not loaded, as loading "
                               f"it could run code from the file ({_why(e)})") from None
     return {"step": meta["step"], "state": meta["state"], "path": str(path), "objects": loaded}
+
+
+def checkpointed_queue(checkpoint) -> tuple:
+    """(path, trained uids, queued [(PromptItem, RolloutBatch)]) of an async run's checkpoint (a
+    directory, or a Checkpointer root: its latest), as TrainWorker.save_checkpoint wrote them."""
+    path = checkpoint if (Path(checkpoint) / "state.json").exists() else Checkpointer(checkpoint).latest()
+    if path is None:
+        raise FileNotFoundError(f"no complete checkpoint under {checkpoint}")
+    ck = read_state(path)
+    return ck["path"], ck["state"]["trained_uids"], ck["objects"].get("queue", {}).get("buffered", [])

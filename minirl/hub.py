@@ -67,19 +67,6 @@ def prompt_items(prompts: list, metadata: list | None = None, uids: list | None 
                        metadata=None if metadata is None else metadata[i]) for i, p in enumerate(prompts)]
 
 
-def checkpointed_queue(checkpoint) -> tuple:
-    """(path, trained uids, queued [(PromptItem, RolloutBatch)]) of an async run's checkpoint (a
-    directory, or a Checkpointer root: its latest), as TrainWorker.save_checkpoint wrote them."""
-    from pathlib import Path
-
-    from minirl.checkpoint import Checkpointer, read_state
-    path = checkpoint if (Path(checkpoint) / "state.json").exists() else Checkpointer(checkpoint).latest()
-    if path is None:
-        raise FileNotFoundError(f"no complete checkpoint under {checkpoint}")
-    ck = read_state(path)
-    return ck["path"], ck["state"]["trained_uids"], ck["objects"].get("queue", {}).get("buffered", [])
-
-
 class QueueRestarted(RuntimeError):
     """The queue's actor restarted with an empty hub: the trainer must rejoin_trainer first."""
 
@@ -445,4 +432,4 @@ class RolloutHub:
                 "restarted": self.restarted}
 
 
-__all__ = ["PromptItem", "QueueRestarted", "RolloutHub", "checkpointed_queue", "prompt_items"]
+__all__ = ["PromptItem", "QueueRestarted", "RolloutHub", "prompt_items"]

@@ -1,6 +1,6 @@
 """The import layout, read from the source (every import, at the top or inside a function):
 launch/ -> actors/ -> minirl/, never back; the core library (minirl/*.py) imports neither the
-recipes (minirl/recipes/) nor Ray.
+recipes (minirl/recipes/) nor Ray; no two modules of minirl/ import each other through any path.
 
 Needs: CPU only, nothing imported (ast); well under a second.
 """
@@ -34,6 +34,13 @@ def _files(folder: str) -> list[Path]:
     return sorted((ROOT / folder).rglob("*.py"))
 
 
+def _graph() -> dict[str, set[str]]:
+    """module -> the modules of minirl/ it imports; packages (an __init__.py re-exporting its modules)
+    are left out, as importing one of their modules runs them first by design."""
+    mods = {_module(p): p for p in _files("minirl") if p.name != "__init__.py"}
+    return {m: {n for n in _imports(p) if n in mods and n != m} for m, p in mods.items()}
+
+
 def test_imports_run_launch_actors_minirl_never_back():
     for p in _files("minirl"):
         bad = {n for n in _imports(p) if n.split(".")[0] in {"actors", "launch", "benchmarks", "ray"}}
@@ -47,3 +54,31 @@ def test_the_core_never_imports_the_recipes():
     for p in [*sorted((ROOT / "minirl").glob("*.py")), *_files("actors")]:
         bad = {n for n in _imports(p) if n.startswith("minirl.recipes")}
         assert not bad, f"{p.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def test_no_import_circle_in_minirl():
+    graph = _graph()
+    assert "minirl.recipes.tasks" in graph and "minirl.recipes.rewards" in graph["minirl.recipes.tasks"]
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for n in graph[todo.pop()] - seen:
+                seen.add(n)
+                todo.append(n)
+        return seen
+    circles = sorted(m for m in graph if m in reach(m))
+    assert not circles, f"modules on an import circle: {circles}"
+
+
+def test_the_layout_reader_sees_a_circle():
+    """The check above can fail: two modules written to import each other are found."""
+    a, b = ROOT / "minirl" / "_circle_a.py", ROOT / "minirl" / "_circle_b.py"
+    try:
+        a.write_text("def f():\n    from minirl import _circle_b\n")
+        b.write_text("from minirl._circle_a import f\n")
+        graph = _graph()
+        assert "minirl._circle_b" in graph["minirl._circle_a"] and "minirl._circle_a" in graph["minirl._circle_b"]
+    finally:
+        a.unlink(missing_ok=True)
+        b.unlink(missing_ok=True)
