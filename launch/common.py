@@ -302,13 +302,16 @@ in the context, an error (a tool that raised or timed out, the episode's own tim
 
 
 def episode_metrics(rollouts) -> dict:
-    """(multi-turn runs) episode/...: turns (mean, max), seconds per episode, the share of episodes
-    ended by each FINISH reason, and of those that timed out (a tool or the episode)."""
+    """(multi-turn runs) episode/...: turns (mean, max), seconds per episode, tool calls and seconds in
+    tools per episode, the share of episodes ended by each FINISH reason, and of those that timed out
+    (a tool or the episode)."""
     n, info = len(rollouts), [r.info for r in rollouts]
     timed_out = sum("ToolTimeout" in i.get("error", "") or "episode_timeout_s" in i.get("error", "") for i in info)
     return {"episode/turns": sum(i.get("turns", 0) for i in info) / n,
             "episode/turns_max": max(i.get("turns", 0) for i in info),
             "episode/seconds": sum(i.get("episode_s", 0.0) for i in info) / n,
+            "episode/tool_calls": sum(i.get("tool_calls", 0) for i in info) / n,
+            "episode/tool_s": sum(i.get("tool_s", 0.0) for i in info) / n,
             **{f"episode/finish_{k}": sum(r.finish_reason == k for r in rollouts) / n for k in FINISH},
             "episode/timeouts": timed_out / n}
 

@@ -135,11 +135,13 @@ def test_staleness_metrics_only_in_the_async_loop():
 def test_episode_metrics_by_hand():
     from minirl.data import Rollout, RolloutBatch
     r = lambda reason, **info: Rollout([1], [2], [-1.0], reward=0.0, finish_reason=reason, info=info)
-    rollouts = [r("stop", turns=1, episode_s=1.0), r("error", turns=2, episode_s=3.0,
-                                                      error="raised ToolTimeout: tool 'f' ran past 0.5 s in ep 1"),
+    rollouts = [r("stop", turns=1, episode_s=1.0, tool_calls=2, tool_s=0.5),
+                r("error", turns=2, episode_s=3.0, tool_calls=1, tool_s=0.5, tool_timeouts=1,
+                  error="raised ToolTimeout: tool 'f' ran past 0.5 s in ep 1"),
                 r("max_turns", turns=3, episode_s=2.0), r("error", turns=2, episode_s=2.0, error="raised KeyError: 'x'")]
     m = common.episode_metrics(rollouts)
-    assert m == {"episode/turns": 2.0, "episode/turns_max": 3, "episode/seconds": 2.0, "episode/finish_stop": 0.25,
+    assert m == {"episode/turns": 2.0, "episode/turns_max": 3, "episode/seconds": 2.0, "episode/tool_calls": 0.75,
+                 "episode/tool_s": 0.25, "episode/finish_stop": 0.25,
                  "episode/finish_length": 0.0, "episode/finish_max_turns": 0.25, "episode/finish_max_model_len": 0.0,
                  "episode/finish_error": 0.5, "episode/timeouts": 0.25}
     batch = lambda: [RolloutBatch(rollouts[:2]), RolloutBatch(rollouts[2:])]
