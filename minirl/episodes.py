@@ -40,7 +40,8 @@ or "length" when max_tokens cut it: over-long filters and len/truncated see it),
 reward is what `on_limit` returns, default 0), "error" (the episode raised, a tool timed out and
 was not caught, or it ran past `episode_timeout_s`; on_error="raise" stops the run naming the
 episode and its task, "record" keeps it with `error_reward` and the error in `info["error"]`).
-No episode is ever dropped. The Rollout's prompt is the context before the first sampled token,
+No episode is ever dropped. A context with no room for its first turn is no episode: its group fails
+(PromptTooLong, whatever on_error says; the async hub applies on_failure). The Rollout's prompt is the context before the first sampled token,
 its completion everything after (trailing environment tokens, which no loss sees, are cut).
 Tests: tests/test_episodes.py.
 """
@@ -98,6 +99,11 @@ class ToolTimeout(TimeoutError):
     """An ep.call(...) ran past its timeout."""
 
 
+class PromptTooLong(ValueError):
+    """An episode's context leaves no room for its first turn (max_model_len): its prompt cannot be
+    generated for. Its group fails, whatever on_error says: never trained as empty completions."""
+
+
 class EpisodeEnd(Exception):
     """Raised by ep.generate() when the episode may not generate again (turn limit, context full)."""
 
@@ -137,12 +143,17 @@ class Episode:
 
     async def generate(self, **sampling) -> Turn:
         """Sample one turn from the whole context (SamplingParams kwargs override the runner's but
-        logprobs/detokenize/n; max_tokens is cut to the room left). Raises EpisodeEnd at the turn limit
-        or with no room left (the runner ends the episode there with that finish reason)."""
+        logprobs/detokenize/n; max_tokens is cut to the room left). Raises PromptTooLong when the first
+        turn has no room, EpisodeEnd at the turn limit or with no room left for a later turn (the
+        runner ends the episode there with that finish reason)."""
         r = self.runner
         if len(self.turns) >= r.config.max_turns:
             raise EpisodeEnd("max_turns")
         room = r.max_model_len - len(self.token_ids)
+        if room < 1 and not self.turns:
+            raise PromptTooLong(f"{self.name} is {len(self.token_ids)} tokens before its first turn; the engine "
+                                f"holds {r.max_model_len} (max_model_len) and needs room for a sampled token: "
+                                "shorten the prompt or raise max_model_len")
         if room < 1:
             raise EpisodeEnd("max_model_len")
         kw = {**r.sampling, **sampling, "logprobs": 0, "detokenize": False, "n": 1}   # what a Turn needs
@@ -567,6 +578,9 @@ class EpisodeRunner:
             except EpisodeEnd as end:
                 reward, reason = self.config.limit_reward, end.reason
                 self.stats["limits"] += 1
+            except PromptTooLong:                      # the request fails: nothing to train on
+                self.stats["errors"] += 1
+                raise
             except Exception as e:
                 self.stats["errors"] += 1
                 what = (f"ran past episode_timeout_s={self.config.episode_timeout_s}" if deadline.expired()

@@ -282,6 +282,15 @@ def test_a_tool_that_never_returns_holds_nothing(wm):
     assert all(r.info["tool_calls"] == 1 == r.info["tool_timeouts"] and r.info["tool_s"] >= 0.5 for r in rollouts)
 
 
+def test_a_prompt_with_no_room_fails_its_group_and_is_never_trained(wm):
+    """A 300-token prompt against max_model_len 128: no episode of it runs and none is recorded, even
+    under on_error="record"; the run stops naming the prompt, its length and the fix."""
+    for config in (EpisodeConfig(), EpisodeConfig(on_error="record")):
+        with pytest.raises(episodes.PromptTooLong, match=r"prompt uid=1 .* is 300 tokens .* 128 \(max_model_len\)"):
+            run_episodes(wm.as_vllm(), single_turn(lambda p, c: 0.0), ["1+1=", "7" * 300], group_size=2,
+                         sampling={"max_tokens": 4}, config=config)
+
+
 def test_context_and_turn_limits_end_with_a_reason(wm):
     """Environment tokens fill the context (max_model_len=128): the episode ends with "max_model_len",
     its tokens within the limit and masks still exact; a turn limit ends one with "max_turns"."""

@@ -231,3 +231,14 @@ def test_a_tool_that_never_returns_does_not_hold_the_generator(gen):
     (uid, cause), = [f for _, fs in got for f in fs]
     assert uid == "stuck" and "ToolTimeout" in cause and "'wait'" in cause
     assert g.runner.stats["abandoned_threads"] - before[1] == 1 and g.stats["abandoned_threads"] >= 1
+
+
+def test_a_prompt_with_no_room_is_a_failure_not_an_empty_group(gen):
+    """The async side: a prompt longer than max_model_len is delivered as that prompt's failure (the
+    hub's on_failure decides), never as a group of empty completions; the others are delivered."""
+    got = []
+    items = [PromptItem(uid="a", prompt="1+1="), PromptItem(uid="long", prompt=[5] * 300)]
+    serve_in_thread(gen, items, 2, got).join(60)
+    assert [b.uid for bs, _ in got for b in bs] == ["a"]
+    (uid, cause), = [f for _, fs in got for f in fs]
+    assert uid == "long" and "PromptTooLong" in cause and "300 tokens" in cause
