@@ -274,8 +274,16 @@ def sampled_logprobs(completion) -> list[float]:
     return [lps[i][t].logprob for i, t in enumerate(ids)]
 
 
+try:                                            # 0.32: the engine's own input type (a rendered prompt);
+    from vllm.inputs.engine import tokens_input   # a TokensPrompt is rendered again, with a deprecation
+except ImportError:                             # warning once per process. 0.22: no such module
+    tokens_input = None
+
+
 def add_request(llm: LLM, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
-    llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=token_ids), params)
+    """A request of token ids; vLLM validates it as any other (length, vocabulary)."""
+    prompt = TokensPrompt(prompt_token_ids=token_ids) if tokens_input is None else tokens_input(list(token_ids))
+    llm.llm_engine.add_request(request_id, prompt, params)
 
 
 def engine_step(llm: LLM) -> list:

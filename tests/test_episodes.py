@@ -397,3 +397,25 @@ def test_generation_out_of_device_memory_names_the_levers_and_leaves_the_engine_
     assert not llm.llm_engine.has_unfinished_requests()
     monkeypatch.setattr(vc, "engine_step", step)
     assert len(run_episodes(llm, single_turn(lambda p, c: 0.0), ["1+1="], seed=0, sampling={"max_tokens": 3})[0]) == 1
+
+
+NO_DEPRECATION = """
+import sys
+from minirl.episodes import run_episodes, single_turn
+from minirl.recipes.tiny import build_tiny_model
+from minirl import vllm_compat as vc
+if __name__ == "__main__":
+    llm = vc.build_llm(str(build_tiny_model(sys.argv[1])), dtype="float32", max_model_len=64,
+                       **vc.engine_kwargs({}, sleep=False, seed=0, colocated=False))
+    out = run_episodes(llm, single_turn(lambda p, c: 0.0), ["1+1="], group_size=2, sampling={"max_tokens": 2})
+    print("ROLLOUTS", len(out[0]))
+"""
+
+
+def test_minirl_requests_raise_no_vllm_deprecation(tmp_path):
+    """The episode path adds requests in the engine's own input type: vLLM (0.32) logs no
+    'Passing raw prompts ... is deprecated' for minirl's calls (it did, once per process)."""
+    from conftest import run_py
+    res = run_py(["-c", NO_DEPRECATION, str(tmp_path / "m")], timeout=300, env={"VLLM_LOGGING_LEVEL": "WARNING"})
+    assert res.returncode == 0 and "ROLLOUTS 2" in res.stdout, res.stderr[-3000:]
+    assert "deprecated" not in res.stdout + res.stderr.replace("`torch.distributed.reduce_op` is deprecated", "")
