@@ -38,6 +38,7 @@ class WeightPusher:
             from transformers import AutoTokenizer
             self.probe = AutoTokenizer.from_pretrained(trainer.path).encode(PROBE_TEXT)
         self._fps: dict[int, object] = {}        # version -> trainer checksum of those weights
+        self._seen: set[str] | None = None       # the weights the generators' checksums see (None: all)
         if verify:
             self._fps[trainer.policy_version], _ = trainer.gather(lambda b: None, dtype=trainer.compute_dtype,
                                                                   probe_ids=self.probe)
@@ -54,7 +55,7 @@ class WeightPusher:
         if self.transport == "object_store":
             refs = []
             ship = (lambda b: (count(b), refs.append(ray.put(_pack(b))))) if self.rank0 else (lambda b: None)
-            fp, lp = tr.gather(ship, dtype=tr.compute_dtype, probe_ids=self.probe)
+            fp, lp = tr.gather(ship, dtype=tr.compute_dtype, probe_ids=self.probe, names=self._seen)
             if self.rank0:
                 self.refs = refs                 # kept alive: restarted generators fetch them
                 placement.call(self.queue.set_version, version, refs, timeout_s=self.timeout, what="rollout queue")
@@ -62,7 +63,7 @@ class WeightPusher:
         else:
             acks, send = (self._broadcast_to(gens, version, t) if self.rank0 else ({}, None))
             fp, lp = tr.gather((lambda b: (count(b), send(b))) if send else (lambda b: None),
-                               dtype=tr.compute_dtype, probe_ids=self.probe)
+                               dtype=tr.compute_dtype, probe_ids=self.probe, names=self._seen)
             if self.rank0:
                 placement.call(self.queue.set_version, version, None, timeout_s=self.timeout, what="rollout queue")
         if not self.rank0:
@@ -72,7 +73,7 @@ class WeightPusher:
         if pending:
             late = [w for w, r in acks.items() if r in pending]
             raise TimeoutError(f"weight sync v{version}: generators {late} did not load within {self.timeout} s")
-        loads = []
+        loads, fp_kept = [], True
         for wid, ref in acks.items():
             try:
                 ack = ray.get(ref)
@@ -80,11 +81,14 @@ class WeightPusher:
                 continue          # died meanwhile: it restarts and bootstraps from the object store
             loads.append(ack["load_s"])
             if self.probe is not None:
-                before = self._fps.get(ack["from_version"])
+                seen = ack.get("fingerprinted")
+                if seen is not None and set(seen) != self._seen:   # a CPU engine's checksum sees fewer
+                    self._seen, self._fps, fp_kept = set(seen), {}, False   # weights: checksum those from now
+                before = self._fps.get(ack["from_version"]) if fp_kept else None
                 stuck = before is not None and not _equal(before, fp) and not ack["changed"]
                 check_sync(probe_gap(lp, ack["probe_logprobs"]), stuck, tolerance=None,
                            engine_dtype=tr.compute_dtype, where=f"generator {wid}", version=version)
-        if self.probe is not None:
+        if self.probe is not None and fp_kept:
             self._fps = {v: f for v, f in self._fps.items() if v >= version - 8} | {version: fp}
         t.update(acks_s=time.perf_counter() - t0, generators=float(len(loads)), bytes=float(sent[0]),
                  gen_load_s=max(loads, default=0.0), policy_version=float(version))

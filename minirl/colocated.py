@@ -125,9 +125,10 @@ class WeightManager:
         self._gc_frozen = False
         self._expected = vc.expected_weight_names(self.llm)
         self._probe_ids = self.llm.get_tokenizer().encode(cfg.probe_text)
+        self._seen = vc.fingerprinted_names(self.llm)   # the trainer checksums what the engine's can see
         if cfg.verify_sync:
             self._trainer_fp, _ = self.trainer.gather(lambda b: None, dtype=self.engine_dtype,
-                                                      probe_ids=self._probe_ids)
+                                                      probe_ids=self._probe_ids, names=self._seen)
             self._engine_fp = vc.fingerprint(self.llm)
 
     model = property(lambda self: self.trainer.model)
@@ -250,7 +251,7 @@ class WeightManager:
         version = self.trainer.publish()
         probe = self._probe_ids if self.config.verify_sync else None
         with vc.weight_update(self.llm) as load:
-            fp, lp = self.trainer.gather(load, dtype=self.engine_dtype, probe_ids=probe)
+            fp, lp = self.trainer.gather(load, dtype=self.engine_dtype, probe_ids=probe, names=self._seen)
         t["sync_s"] = _since(t0, self.device.type == "cuda")
         missing = self._expected - load.loaded
         if missing:
@@ -261,10 +262,9 @@ class WeightManager:
     def _verify(self, t: dict, trainer_fp, trainer_lp, version: int) -> None:
         t0 = time.perf_counter()
         engine_fp = vc.fingerprint(self.llm)
-        # vLLM on CPU repacks linear weights out of the checksum's sight, and LoRA changes only those:
-        # there the probe log-probs alone show a sync that did not arrive.
-        visible = self.trainer.config.lora is None or self.device.type == "cuda"
-        stuck = visible and not torch.equal(trainer_fp, self._trainer_fp) and engine_fp == self._engine_fp
+        # both checksums cover the same weights (on CPU the embeddings and norms alone: vLLM repacks the
+        # linear ones out of sight, so a change to those only, LoRA's say, shows in the probe log-probs)
+        stuck = not torch.equal(trainer_fp, self._trainer_fp) and engine_fp == self._engine_fp
         self._trainer_fp, self._engine_fp = trainer_fp, engine_fp
         gap = probe_gap(trainer_lp, vc.prompt_logprobs(self.llm, self._probe_ids))
         verdict = torch.tensor([gap, float(stuck)], device=self.device)

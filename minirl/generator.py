@@ -64,6 +64,7 @@ class Generator:
         self.device = vc.get_worker(self.llm).device
         self._expected = vc.expected_weight_names(self.llm)
         self._fingerprint = vc.fingerprint(self.llm)
+        self._seen = vc.fingerprinted_names(self.llm)
         self._engine = threading.Lock()          # held by serve/generate, or by one direct engine call
         self._state = threading.Lock()           # guards _serving and _mailbox
         self._serving = False
@@ -254,6 +255,7 @@ class Generator:
         if probe:
             fp, self._fingerprint = self._fingerprint, vc.fingerprint(self.llm)
             out["changed"] = fp != self._fingerprint
+            out["fingerprinted"] = self._seen     # None: every weight
         else:
             self._fingerprint = None              # unknown until the next checked load
         return out

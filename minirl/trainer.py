@@ -809,10 +809,12 @@ class Trainer:
             return layout
         return [[(base_name(n), shape, d) for n, shape, d in b if base_name(n)] for b in layout]
 
-    def gather(self, on_bucket, *, dtype: torch.dtype, probe_ids: list[int] | None = None):
+    def gather(self, on_bucket, *, dtype: torch.dtype, probe_ids: list[int] | None = None,
+               names: set[str] | None = None):
         """Hand every full weight to on_bucket([(hf_name, tensor)]), one FSDP unit at a time
         (collective). With probe_ids, the trainer's forward of the probe does the gathering, and
-        (checksum of all weights handed over, the probe's log-probs) come back; else (None, None)."""
+        (checksum of the weights handed over, the probe's log-probs) come back; else (None, None).
+        names: the checksum covers these weights only (those an engine's own checksum can see)."""
         from minirl.core import get_logprobs
         lora = self.config.lora
         emit = on_bucket if lora is None else (lambda b: on_bucket(merge_bucket(b, lora.scale)))
@@ -826,7 +828,7 @@ class Trainer:
             nonlocal fp
             bucket = bucket if lora is None else merge_bucket(bucket, lora.scale)
             on_bucket(bucket)
-            fp = fp + bucket_fingerprint(bucket)
+            fp = fp + bucket_fingerprint(bucket if names is None else [(n, t) for n, t in bucket if n in names])
 
         ids = torch.tensor([probe_ids], device=self.device)
         was = self.model.training          # the probe runs without dropout, and eagerly: compiled

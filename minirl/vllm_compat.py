@@ -209,6 +209,15 @@ def fingerprint(llm: LLM) -> int:
     return int(fp(p for p in get_model(llm).parameters() if p.numel() and p.is_floating_point()))
 
 
+def fingerprinted_names(llm: LLM) -> set[str] | None:
+    """The weights fingerprint(llm) can see, where that is not all of them: on CPU vLLM repacks the
+    linear layers' weights out of sight (their parameters are empty), leaving embeddings and norms,
+    named as in the checkpoint. None: every weight (CUDA)."""
+    if not ON_CPU:
+        return None
+    return {n for n, p in get_model(llm).named_parameters() if p.numel() and p.is_floating_point()}
+
+
 def engine_dtype(llm: LLM) -> torch.dtype:
     return get_worker(llm).model_config.dtype
 

@@ -98,6 +98,20 @@ def test_broken_sync_raises(wm, monkeypatch, mode, msg):
     assert wm.last_probe_gap < 2e-3
 
 
+def test_a_change_to_linear_weights_alone_is_no_stuck_sync(wm):
+    """Only a linear layer's weight changes (late in a converged run, or LoRA): the engine's checksum
+    on CPU cannot see linear weights (vLLM repacks them), so the trainer's checksum covers the same
+    weights as the engine's, and the sync passes on its probe log-probs. Before, it raised 'changed
+    nothing' although the weights had arrived."""
+    model, _ = wm.as_trainable()
+    with torch.no_grad():
+        w = model.model.layers[0].self_attn.o_proj.weight
+        w.add_(0.05 * torch.randn_like(w))
+    wm.mark_dirty()
+    wm.as_vllm()                       # raises SyncError if the sync is judged stuck or the probe differs
+    assert wm.last_probe_gap < 2e-3
+
+
 def test_tied_embedding_change_reaches_lm_head(wm):
     """A changed (tied) embedding must change vLLM's output layer too (regression: on CPU the
     tied lm_head kept a packed copy of the old embedding)."""

@@ -193,6 +193,21 @@ def test_checked_load_after_an_unchecked_one_reports_what_it_changed(gen, tiny_m
     assert gen.load_weights(before + 2, [certain_weights(tiny_model)], probe_ids=[3, 4])["changed"]
 
 
+def test_a_generator_says_which_weights_its_checksum_sees(gen, tiny_model):
+    """On CPU the engine's checksum sees embeddings and norms only (vLLM repacks linear weights out of
+    sight): a checked load names them, so the trainer compares its checksum of the same weights, and a
+    load that changed linear weights alone is not mistaken for one that changed nothing."""
+    from safetensors.torch import load_file
+    sd = load_file(f"{tiny_model}/model.safetensors")
+    out = gen.load_weights(gen.policy_version + 1, [list(sd.items())], probe_ids=[3, 4])
+    seen = set(out["fingerprinted"])
+    assert "model.embed_tokens.weight" in seen and "model.norm.weight" in seen
+    assert not [n for n in seen if n.endswith("proj.weight")] and seen <= set(sd)
+    sd["model.layers.0.mlp.down_proj.weight"] += 0.1                     # invisible to the checksum
+    assert not gen.load_weights(gen.policy_version + 1, [list(sd.items())], probe_ids=[3, 4])["changed"]
+    gen.load_weights(gen.policy_version + 1, [list(load_file(f"{tiny_model}/model.safetensors").items())])
+
+
 def test_a_prompt_the_engine_refuses_fails_alone(gen):
     """Token ids out of the vocabulary: vLLM refuses the request when it enters; that prompt is a
     failure naming it, the others are delivered and the session goes on."""
