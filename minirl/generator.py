@@ -70,7 +70,8 @@ class Generator:
         self._serving = False
         self._mailbox: collections.deque = collections.deque()   # engine calls of other threads
         self._tasks: set = set()                 # their awaitables running in the session (a probe)
-        self.stats = {"loads": 0, "load_s": 0.0, "loads_in_flight": 0, "busy_s": 0.0, "serve_s": 0.0}
+        self.stats = {"loads": 0, "load_s": 0.0, "loads_in_flight": 0, "busy_s": 0.0, "serve_s": 0.0,
+                      "abandoned_threads": 0}
 
     @property
     def policy_version(self) -> int:
