@@ -5,7 +5,7 @@
 
 The actor restarts after a crash (max_restarts=-1): __init__ registers with the queue again
 (which releases what the dead one had leased) and loads the trainer's latest weights from the
-object store before it generates. A prompt whose request fails (too long, reward_fn raised or
+object store before it generates, checked against the trainer's probe log-probs as every push is. A prompt whose request fails (too long, reward_fn raised or
 ran past reward_timeout_s) is never retried: it goes to the queue's fail_prompts with its cause.
 `run` generates continuously (Generator.serve): each finished group is put as it finishes, and
 new prompts are leased whenever fewer than max_prompts are open. Weights arrive by
@@ -53,12 +53,18 @@ class GenerationActor:
                               what=f"generator {self.worker_id}: the rollout queue")
 
     def _bootstrap(self) -> bool:
-        """Load the trainer's latest weights if the queue holds newer ones than the engine."""
-        version, refs = self._call(self.queue.weights)
-        if refs and version > self.gen.policy_version:
-            self.load_from_store(version, refs)
-            return True
-        return False
+        """Load the trainer's latest weights if the queue holds newer ones than the engine (object
+        store), verified like a push: SyncError unless the engine's probe log-probs match the trainer's."""
+        from minirl.weights import check_sync, probe_gap
+        version, w = self._call(self.queue.weights)
+        if not w or version <= self.gen.policy_version:
+            return False
+        ack = self.load_from_store(version, w["refs"], w["probe_ids"])
+        if w["logprobs"] is not None:
+            check_sync(probe_gap(w["logprobs"], ack["probe_logprobs"]), False, tolerance=None,
+                       engine_dtype=w["dtype"], where=f"generator {self.worker_id} (loading the latest weights)",
+                       version=version)
+        return True
 
     def run(self, max_prompts: int) -> dict:
         """Generate with max_prompts prompts in flight, putting each group as it finishes, until the

@@ -10,6 +10,7 @@ CPU test cluster. Which device a process uses is decided inside it (torch.cuda.i
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
@@ -18,10 +19,11 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 
-def ray_init(namespace: str = "minirl") -> None:
-    """Join (or start) a Ray cluster unless this process already has."""
+def ray_init(namespace: str = "minirl", logging_level: int = logging.INFO) -> None:
+    """Join (or start) a Ray cluster unless this process already has; logging_level: Ray's own
+    logger in this process (logging.WARNING: no "Started a local Ray instance" line)."""
     if not ray.is_initialized():
-        ray.init(namespace=namespace, log_to_driver=True)
+        ray.init(namespace=namespace, log_to_driver=True, logging_level=logging_level)
 
 
 def require_ray() -> None:

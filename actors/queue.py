@@ -87,13 +87,19 @@ class RolloutQueueActor:
         return [] if out is ... else out
 
     @guarded
-    async def wait_trainer_done(self, timeout_s: float | None = 600.0) -> bool:   # the run's end
-        return await self._until(lambda: True if self.hub.trainer_done else ..., timeout_s) is True
+    async def wait_trainer_done(self, timeout_s: float | None = 600.0) -> bool:   # the server: the run's end
+        return await self._until(lambda: True if self.hub.see_trainer_done() else ..., timeout_s) is True
+
+    @guarded
+    async def finish_trainer(self, timeout_s: float | None = 600.0) -> bool:
+        """The trainer is done; waits up to timeout_s until the server side saw it (wait_trainer_done).
+        A restarted queue raises QueueRestarted: the trainer rejoins and says it again."""
+        return await self._until(lambda: True if self.hub.set_trainer_done() or self.hub.done_seen else ...,
+                                 timeout_s) is True
 
     add_prompts, close_prompts = _locked(RolloutHub.add_prompts), _locked(RolloutHub.close_prompts)
     set_max_staleness, set_version = _locked(RolloutHub.set_max_staleness), _locked(RolloutHub.set_version)
-    set_trainer_done, release_worker = _locked(RolloutHub.set_trainer_done), _locked(RolloutHub.release_worker)
-    register_worker = _locked(RolloutHub.register_worker)
+    release_worker, register_worker = _locked(RolloutHub.release_worker), _locked(RolloutHub.register_worker)
     unregister_worker = _locked(RolloutHub.unregister_worker)
     restore, rollback = _locked(RolloutHub.restore), _locked(RolloutHub.rollback)
     fail_prompts, failures = _locked(RolloutHub.fail_prompts), _locked(RolloutHub.failures)

@@ -97,7 +97,13 @@ class RolloutServer:
         self._thread.start()
         return self.wait() if block else dict(self.stats)
 
-    def wait(self, timeout_s: float | None = None) -> dict:
+    def wait(self, timeout_s: float | None = None, *, trainer_done: bool = False) -> dict:
+        """The server's counters once the queue is finished (run(block=False)'s end); raises what ended it.
+        trainer_done: the trainer (in this process) has finished, so the pool stops within 60 s even
+        if the queue restarted after that end (it would wait for a trainer to rejoin)."""
+        if self._thread is not None and trainer_done:
+            self._thread.join(min(60.0, timeout_s or 60.0))
+            self.pool.stopped = True
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -113,7 +119,8 @@ class RolloutServer:
         return self._q(self.queue.failures)
 
     def wait_trainer_done(self, timeout_s: float = 600.0) -> None:
-        """Block until the trainer says it trained and synced its last batch (the run's end)."""
+        """Block until the trainer says it trained and synced its last batch (the run's end); the
+        trainer's finish() waits for this, to tell a queue restarted meanwhile again."""
         if not placement.call(self.queue.wait_trainer_done, timeout_s, timeout_s=timeout_s + 30, what="the queue"):
             raise TimeoutError(f"the trainer did not finish within {timeout_s} s of the last rollout")
 

@@ -5,7 +5,7 @@ queue, pushing weights to the generators) and TrainingActor, one rank of it on R
     for batches in worker.pull_rollouts():          # every token >= version - max_staleness (RolloutHub)
         ...worker.trainer.forward_backward(...) / optim_step(), or worker.model / worker.optimizer...
         worker.sync_weights()                       # publish a version, push it, verify it arrived
-    worker.finish()                                 # the run's end, for the server side
+    worker.finish()                                 # the run's end: waits until the server side saw it
     pg, trainers = start_trainers(2, model, "rollouts", lr=1e-6)   # SPMD: run(fn) on every rank
 
 Rank 0 pulls each step's batches and shares them, split by tokens; if the queue restarted, it rejoins
@@ -79,7 +79,7 @@ class TrainWorker:
         try:
             return placement.call(method, *args, timeout_s=wait_s + self.timeout, what="rollout queue")
         except QueueRestarted:
-            self._q(self.queue.rejoin_trainer, self.trained_uids, self.policy_version, self.pusher.refs,
+            self._q(self.queue.rejoin_trainer, self.trained_uids, self.policy_version, self.pusher.published,
                     self.max_staleness, self._step_prompts)
             return self._q(method, *args, wait_s=wait_s)
 
@@ -111,9 +111,12 @@ class TrainWorker:
         self.sync_weights()
         return out
 
-    def finish(self) -> None:    # tell the server side the trainer trained and synced its last batch
-        if self.rank.rank == 0:
-            self._q(self.queue.set_trainer_done)
+    def finish(self, wait_s: float | None = None) -> bool:
+        """Tell the server side the trainer trained and synced its last batch, and wait (up to wait_s,
+        default the sync timeout; 0: no wait) until it saw so (its wait_trainer_done): a queue restarted
+        meanwhile is told again. Whether it was seen (rank 0; True elsewhere)."""
+        t = self.timeout if wait_s is None else wait_s
+        return self.rank.rank != 0 or self._q(self.queue.finish_trainer, t, wait_s=t)
 
     def queue_stats(self) -> dict:    # recycled_stale, waited_for_old, ... (RolloutHub.stats)
         return self._q(self.queue.stats)

@@ -4,8 +4,8 @@
     timings = pusher.push()      # collective over the training ranks; rank 0 ships
 
 - object_store: rank 0 packs each gathered bucket (minirl.transport.pack_bucket), ray.puts it
-  once and every generator fetches it; the queue keeps the latest refs, from which new or
-  restarted generators bootstrap.
+  once and every generator fetches it; the queue keeps the latest refs with the trainer's probe
+  log-probs (`published`), from which new or restarted generators bootstrap, checked.
 - collective: a standalone NCCL (gloo on CPU) group of rank 0 + every generator, rebuilt when the
   membership changes; each bucket is broadcast as one flat buffer per dtype.
 Verified by default like the co-located sync: the trainer's probe forward does the gathering,
@@ -42,7 +42,7 @@ class WeightPusher:
         if verify:
             self._fps[trainer.policy_version], _ = trainer.gather(lambda b: None, dtype=trainer.compute_dtype,
                                                                   probe_ids=self.probe)
-        self._group, self._members, self.refs = None, (), []
+        self._group, self._members, self.published = None, (), None
 
     def push(self) -> dict:
         tr, t = self.trainer, {}
@@ -56,9 +56,11 @@ class WeightPusher:
             refs = []
             ship = (lambda b: (count(b), refs.append(ray.put(_pack(b))))) if self.rank0 else (lambda b: None)
             fp, lp = tr.gather(ship, dtype=tr.compute_dtype, probe_ids=self.probe, names=self._seen)
-            if self.rank0:
-                self.refs = refs                 # kept alive: restarted generators fetch them
-                placement.call(self.queue.set_version, version, refs, timeout_s=self.timeout, what="rollout queue")
+            if self.rank0:                      # kept alive: restarted generators fetch and check them
+                self.published = {"refs": refs, "probe_ids": self.probe, "dtype": tr.compute_dtype,
+                                   "logprobs": None if lp is None else lp.tolist()}
+                placement.call(self.queue.set_version, version, self.published, timeout_s=self.timeout,
+                               what="rollout queue")
                 acks = {w: h.load_from_store.remote(version, refs, self.probe) for w, h in gens.items()}
         else:
             acks, send = (self._broadcast_to(gens, version, t) if self.rank0 else ({}, None))

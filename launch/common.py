@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import random
 import re
@@ -471,11 +472,13 @@ def train_worker(args, srv):
 
 
 def finish(worker, srv) -> None:
-    """(async) Tell the server side the trainer is done, then wait for it and stop it."""
-    worker.finish()
+    """(async) Tell the server side the trainer is done (a server in another job: until it saw so),
+    then wait for the server here and stop it."""
+    if not worker.finish(wait_s=0 if srv is not None else None) and srv is None:
+        say("the server side did not confirm the run's end within the sync timeout: is it still running?")
     worker.close()
     if srv is not None:
-        say("server:", served(srv.wait()))
+        say("server:", served(srv.wait(trainer_done=True)))
         srv.shutdown(remove_queue=True)
 
 
@@ -738,6 +741,9 @@ def main(run, args, task=None) -> None:
         import ray                                        # crash for Ray's handler (a trace, then abort in 3 s)
         ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     with interruptible(), ending(args, status=1, since=time.time()):
+        if "ray" in sys.modules:                          # Ray's own "Started a local Ray instance": --verbose
+            from actors import placement
+            placement.ray_init(logging_level=logging.INFO if args.verbose else logging.WARNING)
         if task is None and args.role != "trainer":
             task = prepare(args)
         if not getattr(args, "ray", 0):

@@ -93,7 +93,7 @@ class RolloutHub:
         self.error: str | None = None                    # on_failure="stop": the failure that ends the run
         self._orphaned: list[tuple[int, int]] = []       # (lo, hi]: versions of a trainer that died
         self._top_version = 0
-        self._closed = self.trainer_done = False   # trainer_done: it synced its last batch (the end)
+        self._closed = self.trainer_done = self.done_seen = False   # trainer_done: it synced its last batch
         self._recycled_stale = self._duplicates = self._version = self._rolled_back = 0
         self._weights: Any = None
         self._workers: dict[str, Any] = {}
@@ -193,6 +193,12 @@ class RolloutHub:
     def set_trainer_done(self) -> None:
         self._check_trainer_joined()
         self.trainer_done = True
+
+    def see_trainer_done(self) -> bool:
+        """The server side asks whether the trainer is done; once it is, the trainer learns it was seen
+        (done_seen: until then it stays, to tell a hub rebuilt meanwhile again)."""
+        self.done_seen = self.done_seen or self.trainer_done
+        return self.trainer_done
 
     def _check_trainer_joined(self) -> None:
         if "trainer" in self.awaiting:
@@ -426,7 +432,7 @@ class RolloutHub:
                 "waited_for_old": len(self._waited), "batch_size": self.batch_size, "admission": self._admits(),
                 "duplicates": self._duplicates, "max_batches": self.max_batches, "version": self._version,
                 "workers": len(self._workers), "closed": self._closed, "max_staleness": self.max_staleness,
-                "trainer_done": self.trainer_done, "failed": len(self._failed), "error": self.error,
+                "trainer_done": self.trainer_done, "done_seen": self.done_seen, "failed": len(self._failed), "error": self.error,
                 "rolled_back": self._rolled_back, "on_failure": self.on_failure,
                 "awaiting": sorted(self.awaiting), "finished": self.finished(),
                 "restarted": self.restarted}

@@ -17,6 +17,9 @@ import torch
 
 # Must be set before the engine is built: one process holds trainer and engine.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM logs a few lines while it imports, before its logger reads VLLM_LOGGING_LEVEL: that level first.
+if level := os.environ.get("VLLM_LOGGING_LEVEL"):
+    logging.getLogger("vllm").setLevel(level.upper())
 
 import vllm  # noqa: E402
 from vllm import LLM, SamplingParams, TokensPrompt  # noqa: E402

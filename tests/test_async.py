@@ -214,6 +214,35 @@ def test_killed_generator_restarts_with_current_weights(ray_local, tiny_model, c
     assert info["restarted"] and info["version"] == out["version"]  # back, with current weights
 
 
+def push_once(worker):
+    """One optimizer step on the first weight (as a training step would), then a sync."""
+    p = next(worker.model.parameters())
+    p.grad = torch.ones_like(p)
+    worker.trainer.optim_step()
+    worker.sync_weights()
+    return worker.policy_version
+
+
+def test_a_new_generators_first_load_is_verified(ray_local, tiny_model, cleanup):
+    """A generator that starts (or restarts) after a push loads the queue's latest weights and checks
+    its probe log-probs against the trainer's, as a push does: weights published with wrong log-probs
+    (standing for a wrong load) fail its start naming the gap; right ones start it on that version."""
+    srv = _server(tiny_model, "q-bootstrap", 1, 8)
+    cleanup(srv)
+    pg, (trainer,) = _trainer(tiny_model, "q-bootstrap")
+    cleanup(trainer, pg)
+    version = ray.get(trainer.run.remote(push_once), timeout=300)
+    v, published = ray.get(srv.queue.weights.remote(), timeout=60)
+    assert v == version and len(published["logprobs"]) == len(published["probe_ids"]) - 1
+    wrong = {**published, "logprobs": [x + 0.5 for x in published["logprobs"]]}
+    ray.get(srv.queue.set_version.remote(version, wrong), timeout=60)
+    with pytest.raises(RuntimeError, match=r"failed to start: .*probe differ by 0\.5"):
+        srv.add_generator()
+    ray.get(srv.queue.set_version.remote(version, published), timeout=60)
+    wid = srv.add_generator()
+    assert ray.get(srv.generators[wid]["actor"].info.remote(), timeout=60)["version"] == version
+
+
 def test_a_trainer_that_fails_to_start_leaves_nothing_behind(ray_local, tiny_model):
     """A rank whose setup raises: start_trainers raises that error, its actor and placement group gone."""
     from actors.training import start_trainers

@@ -198,6 +198,35 @@ def test_queue_actor_killed_is_restored_and_trains_every_prompt_once(ray_local, 
     ray.util.remove_placement_group(pg)
 
 
+def _finish_loop(worker, root):
+    seen = _loop(worker, root, 1000)
+    return seen, worker.finish(wait_s=120)
+
+
+@pytest.mark.parametrize("seed", [2])
+def test_queue_killed_after_the_trainers_finish_the_server_still_sees_the_end(ray_local, tiny_model, tmp_path,
+                                                                              seed):
+    """The trainer says it is done, then the queue dies with that news: the trainer (still waiting for
+    the server side to see it) tells the rebuilt queue again, so wait_trainer_done returns (it timed out)."""
+    srv, pg, (trainer,) = _running(tiny_model, "q-after-finish", seed)
+    run = trainer.run.remote(_finish_loop, str(tmp_path / "ck"))
+    deadline = time.time() + 300
+    while not srv.queue_stats()["trainer_done"] and time.time() < deadline:
+        time.sleep(0.02)
+    assert srv.queue_stats()["trainer_done"], "the trainer did not finish within 300 s"
+    ray.kill(srv.queue.handle, no_restart=False)    # SIGKILL; Ray restarts it empty
+    while not srv.queue_stats()["restarted"]:        # (a call may still reach the dying actor)
+        time.sleep(0.02)
+    srv.wait_trainer_done(timeout_s=120)
+    seen, confirmed = ray.get(run, timeout=120)
+    assert confirmed and sorted(u for u, _ in seen) == list(range(N))
+    q = srv.queue_stats()
+    assert q["restarted"] and q["trainer_done"] and q["done_seen"], q
+    srv.shutdown(remove_queue=True)
+    ray.kill(trainer)
+    ray.util.remove_placement_group(pg)
+
+
 # ---- exposure: a local co-located run listens on loopback only ----------------------------------
 
 LISTENERS = """

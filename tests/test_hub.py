@@ -529,3 +529,14 @@ def test_put_never_waits_under_admission_for_the_batches_a_step_waits_for():
     assert hub.space() >= 1
     hub.put_batches("a", [batch(3), batch(0)])
     assert uids(hub.take_batches(2)) == [0, 3] and uids(hub.take_batches(2)) == [1, 2]
+
+
+def test_the_trainers_end_is_kept_until_the_server_saw_it():
+    """finish_trainer's handshake (actors/queue.py): done, then seen; a rebuilt hub knows neither."""
+    hub = RolloutHub(max_batches=2)
+    assert not hub.see_trainer_done() and not hub.stats()["done_seen"]   # asked early: nothing seen
+    hub.set_trainer_done()
+    assert hub.stats()["trainer_done"] and not hub.stats()["done_seen"]
+    assert hub.see_trainer_done() and hub.stats()["done_seen"]
+    rebuilt = RolloutHub(max_batches=2, restarted=True)
+    assert not rebuilt.see_trainer_done() and not rebuilt.stats()["done_seen"]
