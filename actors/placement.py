@@ -112,9 +112,11 @@ class RankActor:
         self.rank, self.world_size = rank, world_size
 
     def address(self) -> tuple[str, int]:
-        from minirl.distributed import free_port
+        """Rank 0: the host and port of the world's rendezvous, already listening (kept by this actor)."""
+        from minirl.distributed import listen
         ip = ray.util.get_node_ip_address()
-        return ip, free_port(ip)
+        self._rendezvous = listen(ip, self.world_size)
+        return ip, self._rendezvous.port
 
     def configure(self, master_addr: str, master_port: int) -> None:
         import os

@@ -86,6 +86,19 @@ class RolloutQueueActor:
                                 and not self.hub.finished() else got, timeout_s)
         return [] if out is ... else out
 
+    async def _after_server(self, fn, timeout_s: float):
+        """fn() under the lock, once a rebuilt queue has the server's state (its generators' versions)."""
+        out = await self._until(lambda: ... if "server" in self.hub.awaiting else fn(), timeout_s)
+        if out is ...:
+            raise TimeoutError(f"rollout queue {self.name} restarted and the server has not sent its state "
+                               f"within {timeout_s} s: is the RolloutServer running?")
+        return out
+
+    @guarded
+    async def rollback(self, trained: list, version: int, timeout_s: float = 300.0) -> int:
+        """RolloutHub.rollback (a restored trainer), after the server's state on a rebuilt queue."""
+        return await self._after_server(lambda: self.hub.rollback(trained, version), timeout_s)
+
     @guarded
     async def wait_trainer_done(self, timeout_s: float | None = 600.0) -> bool:   # the server: the run's end
         return await self._until(lambda: True if self.hub.see_trainer_done() else ..., timeout_s) is True
@@ -101,7 +114,7 @@ class RolloutQueueActor:
     set_max_staleness, set_version = _locked(RolloutHub.set_max_staleness), _locked(RolloutHub.set_version)
     release_worker, register_worker = _locked(RolloutHub.release_worker), _locked(RolloutHub.register_worker)
     unregister_worker = _locked(RolloutHub.unregister_worker)
-    restore, rollback = _locked(RolloutHub.restore), _locked(RolloutHub.rollback)
+    restore = _locked(RolloutHub.restore)
     fail_prompts, failures = _locked(RolloutHub.fail_prompts), _locked(RolloutHub.failures)
     snapshot, weights = _locked(RolloutHub.snapshot), _locked(RolloutHub.weights)
     workers, finished = _locked(RolloutHub.workers), _locked(RolloutHub.finished)

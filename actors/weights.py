@@ -102,18 +102,18 @@ class WeightPusher:
 
     def _broadcast_to(self, gens: dict, version: int, t: dict):
         """(acks, ship): generators start receiving, then ship(bucket) broadcasts each bucket."""
-        from minirl.distributed import free_port
+        from minirl.distributed import listen
         from minirl.transport import BroadcastGroup, BucketMeta
         members = tuple(sorted(gens))
         t0 = time.perf_counter()
         if members != self._members:    # (re)build: a generator joined, left or restarted
             self.close()
-            host = ray.util.get_node_ip_address()
-            port, prefix, world = free_port(host), f"wsync-{uuid.uuid4().hex[:8]}", len(members) + 1
-            joins = [gens[w].join_group.remote(host, port, i + 1, world, prefix, self.timeout)
+            host, prefix, world = ray.util.get_node_ip_address(), f"wsync-{uuid.uuid4().hex[:8]}", len(members) + 1
+            store = listen(host, world, self.timeout)           # bound before anyone is told its port
+            joins = [gens[w].join_group.remote(host, store.port, i + 1, world, prefix, self.timeout)
                      for i, w in enumerate(members)]
-            self._group = BroadcastGroup(host, port, 0, world, prefix=prefix, device=self.trainer.device,
-                                         timeout_s=self.timeout)
+            self._group = BroadcastGroup(host, store.port, 0, world, prefix=prefix, device=self.trainer.device,
+                                         timeout_s=self.timeout, store=store)
             placement.get(joins, self.timeout, "generators joining the broadcast group")
             self._members = members
         t["group_s"] = time.perf_counter() - t0

@@ -31,6 +31,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def listen(host: str, world_size: int, timeout_s: float = 600.0) -> dist.TCPStore:
+    """A rendezvous server bound now on a port the OS picks (`.port`): a process group this process
+    then builds with that port (env:// or a store given) shares it (multi-tenant), so no other process
+    can take the port between picking and binding, as it could with free_port()."""
+    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False, multi_tenant=True)
+
+
 def pick_device(local_rank: int) -> torch.device:
     """cuda:<local_rank mod visible GPUs> when CUDA works in this process, else cpu."""
     cuda = torch.cuda.is_available()

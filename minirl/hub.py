@@ -346,7 +346,12 @@ class RolloutHub:
         uids delivered since come back (pending, at the front), `trained` ones count as delivered,
         and weights newer than `version` (made by the lost trainer, held by no trainer now) are
         orphaned: batches of them are refused and their weights handle dropped. Returns the
-        version the restored trainer publishes next (above every version ever published)."""
+        version the restored trainer publishes next: above every version published, and above one
+        more, since the lost trainer's last push may have reached generators that have not said so
+        (a rebuilt hub hears of versions from generators; a collective push tells the hub last)."""
+        return self._roll(trained, version, self._top_version + 1)
+
+    def _roll(self, trained: list, version: int, top: int) -> int:
         trained, version = set(trained), int(version)
         lost = [u for u in self._delivered if u not in trained]
         if missing := [u for u in lost if self._delivered[u] is None]:
@@ -361,19 +366,21 @@ class RolloutHub:
             self._pending.pop(u, None)
             self._buffer.pop(u, None)
             self._delivered[u] = self._items.pop(u, None)
-        if self._top_version > version:
-            self._orphaned.append((version, self._top_version))
+        if top > version:
+            self._orphaned.append((version, top))
             self._weights = None
             self._rolled_back += self._requeue_front([u for u, b in self._buffer.items()
                                                       if self._orphan(b.policy_version)])
-            version = self._top_version + 1
+            version = top + 1
         self._rolled_back += self.release_worker("rollback")    # delivered earliest: at the very front
         self._version = self._top_version = max(version, self._top_version)
         return self._version
 
-    def rejoin_server(self, items: list[PromptItem], closed: bool, workers: dict) -> int:
+    def rejoin_server(self, items: list[PromptItem], closed: bool, workers: dict, versions: list = ()) -> int:
         """After a restart: the server's prompts (uids the trainer already rejoined with are skipped),
-        whether it closed them, and its generators {worker_id: handle}. Returns how many were added."""
+        whether it closed them, its generators {worker_id: handle} and the weight versions they hold.
+        Returns how many prompts were added."""
+        self._saw(max(versions, default=None))
         added = self.add_prompts(items, skip_known=True) if not self._closed else 0
         self._closed = self._closed or closed
         for wid, handle in workers.items():
@@ -388,7 +395,7 @@ class RolloutHub:
         its version."""
         if max_staleness is not None:
             self.set_max_staleness(max_staleness, batch_size)
-        version = self.rollback(trained, version)
+        version = self._roll(trained, version, self._top_version)    # a live trainer knows its last version
         self.set_version(version, weights)
         self.awaiting.discard("trainer")
         return version

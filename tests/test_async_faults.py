@@ -1,11 +1,12 @@
 """Faults on the async backend (local Ray, CPU): bad settings refused before any engine starts, a
 prompt whose request fails (too long, reward_fn raised or blocked) stopping the run or skipped
-and recorded (never retried), a generator whose __init__ fails naming its cause, and the trainer
-alone killed at a seeded moment and resumed from its checkpoint, and the queue actor killed at a
-seeded moment and restarted by Ray (server and trainer rejoin it): every prompt trained exactly
-once, and the generators back on the trainer's weights.
+and recorded (never retried), a generator whose __init__ fails naming its cause, the trainer
+alone killed between steps or inside a weight push and resumed from its checkpoint, the queue actor
+killed at a seeded moment and restarted by Ray (server and trainer rejoin it), and the queue killed
+after the trainer's finish(): every prompt trained exactly once, no version reused, and the
+generators back on the trainer's weights; several seeds each (benchmarks/soak.py: all at once).
 
-Run: `pytest tests/test_async_faults.py` (about 2 minutes on 2 cores). Hardware: CPU.
+Run: `pytest tests/test_async_faults.py` (about 8 minutes on 2 cores). Hardware: CPU.
 """
 
 import random
@@ -132,16 +133,53 @@ def _running(tiny_model, name, seed):
 TRAIN = {"lr": 1e-3, "batch_size": 4, "max_staleness": 1}
 
 
-@pytest.mark.parametrize("seed", [0])
-def test_trainer_killed_alone_and_resumed_trains_every_prompt_once(ray_local, tiny_model, tmp_path, seed):
+class _PausingQueue:
+    """The trainer's queue handle, except that its first set_version at or past `version` (a weight push
+    announced to the queue, the generators not yet told) writes `marker` and then hangs."""
+
+    def __init__(self, queue, version: int, marker: str):
+        self.queue, self.version, self.marker = queue, version, marker
+
+    def __getattr__(self, name):
+        return getattr(self.queue, name)
+
+    @property
+    def set_version(self):
+        class Method:
+            def remote(_, version, *args):
+                ref = self.queue.set_version.remote(version, *args)
+                if version >= self.version:
+                    ray.get(ref, timeout=60)
+                    open(self.marker, "w").close()
+                    time.sleep(600)                     # killed here
+                return ref
+        return Method()
+
+
+def _loop_pausing_in_a_push(worker, root, every, version, marker):
+    worker.pusher.queue = _PausingQueue(worker.pusher.queue, version, marker)
+    return _loop(worker, root, every)
+
+
+@pytest.mark.parametrize("moment, seed", [("between steps", 0), ("between steps", 3), ("during a push", 0),
+                                          ("during a push", 4)])
+def test_trainer_killed_alone_and_resumed_trains_every_prompt_once(ray_local, tiny_model, tmp_path, moment, seed):
+    """Killed after pulling past its newest checkpoint, between two steps or in a weight push (the
+    queue already told of the new version, which the restored trainer must never publish again)."""
     from actors.training import start_trainers
-    rng, root = random.Random(seed), str(tmp_path / "ck")
+    rng, root, marker = random.Random(seed), str(tmp_path / "ck"), tmp_path / "pushing"
     srv, pg, (trainer,) = _running(tiny_model, "q-trainer-kill", seed)
-    run1 = trainer.run.remote(_loop, root, 2)
-    kill_at, deadline = rng.randint(10, 20), time.time() + 300    # delivered: past the step-2 checkpoint
-    while srv.queue_stats()["delivered"] < kill_at and time.time() < deadline:
-        time.sleep(0.05)
-    time.sleep(rng.uniform(0, 1.0))
+    deadline = time.time() + 300
+    if moment == "during a push":                # checkpoints at steps 2, 4, ...; killed in step 3..6's push
+        run1 = trainer.run.remote(_loop_pausing_in_a_push, root, 2, rng.randint(3, 6), str(marker))
+        while not marker.exists() and time.time() < deadline:
+            time.sleep(0.05)
+    else:
+        run1 = trainer.run.remote(_loop, root, 2)
+        kill_at = rng.randint(10, 20)                # delivered: past the step-2 checkpoint
+        while srv.queue_stats()["delivered"] < kill_at and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0, 1.0))
     while time.time() < deadline:            # the trainer has pulled past its newest checkpoint
         latest = Checkpointer(root).latest()
         if latest is not None and len(read_state(latest)["state"]["trained_uids"]) < srv.queue_stats()["delivered"]:
@@ -154,13 +192,14 @@ def test_trainer_killed_alone_and_resumed_trains_every_prompt_once(ray_local, ti
     lost_version = srv.queue_stats()["version"]
     ck = read_state(Checkpointer(root).latest())["state"]
     assert len(ck["trained_uids"]) < srv.queue_stats()["delivered"]   # the dead trainer pulled past it
+    assert moment != "during a push" or lost_version > ck["policy_version"]
 
     pg, (trainer,) = start_trainers(1, tiny_model, "q-trainer-kill", **TRAIN)
     (version, gen_versions, before), trained, final = ray.get(trainer.run.remote(_resume, root), timeout=600)
     srv.wait(timeout_s=120)
     assert before == ck["trained_uids"]
     ck_version = read_state(Checkpointer(root).latest())["state"]["policy_version"]
-    assert version == (lost_version + 1 if lost_version > ck_version else ck_version)   # never reused
+    assert version == lost_version + 2      # never reused: above the lost ones and a push perhaps unheard of
     assert gen_versions == {version}                                # back on the restored weights
     assert sorted(trained) == list(range(N)) and set(Counter(trained).values()) == {1}
     assert srv.queue_stats()["rolled_back"] > 0
@@ -173,7 +212,7 @@ def test_trainer_killed_alone_and_resumed_trains_every_prompt_once(ray_local, ti
 
 # ---- the queue actor killed at a seeded moment: Ray restarts it, server and trainer rejoin ---------
 
-@pytest.mark.parametrize("seed", [1])
+@pytest.mark.parametrize("seed", [1, 5])
 def test_queue_actor_killed_is_restored_and_trains_every_prompt_once(ray_local, tiny_model, tmp_path, seed):
     rng = random.Random(seed)
     srv, pg, (trainer,) = _running(tiny_model, "q-queue-kill", seed)

@@ -237,13 +237,14 @@ def test_rollback_redelivers_what_the_restored_trainer_did_not_train():
     hub.set_version(2, weights=["v2"])
     hub.put_batches("a", [batch(4, 2)])                         # weights no restored trainer holds
     hub.set_version(3, weights=["v3"])                          # ... and the trainer dies
-    assert hub.rollback([0, 1], 1) == 4                         # next version: above every one published
-    assert hub.weights() == (4, None)                           # the lost trainer's refs are gone
+    assert hub.rollback([0, 1], 1) == 5            # above every version published and one more (a push unheard of)
+    assert hub.weights() == (5, None)                           # the lost trainer's refs are gone
     assert hub.stats()["pending"] == 5 and hub.stats()["rolled_back"] == 3
     assert hub.put_batches("a", [batch(5, 3)]) == 0             # made with lost weights: refused, requeued
     assert hub.take_prompts("a", 1, version=3) is None          # an engine on lost weights must reload
-    assert uids(hub.take_prompts("b", 8, version=4)) == [5, 2, 3, 4, 6, 7]
-    hub.put_batches("b", [batch(u, 4) for u in (2, 3, 4, 5, 6, 7)])
+    assert hub.take_prompts("b", 1, version=4) is None          # 4: perhaps pushed by the lost trainer
+    assert uids(hub.take_prompts("b", 8, version=5)) == [5, 2, 3, 4, 6, 7]
+    hub.put_batches("b", [batch(u, 5) for u in (2, 3, 4, 5, 6, 7)])
     assert sorted(uids(hub.take_batches(6))) == [2, 3, 4, 5, 6, 7]
     assert hub.finished() and hub.stats()["delivered"] == 8
 
@@ -251,7 +252,8 @@ def test_rollback_redelivers_what_the_restored_trainer_did_not_train():
 def test_a_rebuilt_queue_learns_the_lost_trainers_versions_from_the_generators():
     """The queue and the trainer die together: the rebuilt hub knows no version, but a generator on
     the lost trainer's version 67 leases (or delivers) before the trainer restored at 65 rolls back:
-    66..67 are orphaned, the trainer publishes 68, and that generator must reload."""
+    66..68 are orphaned (68: a push that may have reached a generator unheard of), the trainer
+    publishes 69, and that generator must reload."""
     for report in ("lease", "deliver"):
         hub = RolloutHub(max_batches=4, restarted=True)
         hub.rejoin_server(prompts(range(4)), True, {})
@@ -259,11 +261,11 @@ def test_a_rebuilt_queue_learns_the_lost_trainers_versions_from_the_generators()
             assert hub.take_prompts("g", 2, version=67) == []      # a rebuilt hub leases nothing yet
         else:
             assert hub.put_batches("g", [batch(9, 67)]) == 0        # unknown uid: dropped, version seen
-        assert hub.rollback([], 65) == 68
-        assert hub.take_prompts("g", 1, version=67) is None and hub.take_prompts("g", 1, version=66) is None
-        hub.set_version(68)
+        assert hub.rollback([], 65) == 69
+        assert all(hub.take_prompts("g", 1, version=v) is None for v in (66, 67, 68))
+        hub.set_version(69)
         hub.awaiting.clear()
-        assert uids(hub.take_prompts("g", 2, version=68)) == [0, 1]
+        assert uids(hub.take_prompts("g", 2, version=69)) == [0, 1]
 
 
 def test_rollback_on_a_fresh_queue_marks_trained_as_delivered():
@@ -540,3 +542,11 @@ def test_the_trainers_end_is_kept_until_the_server_saw_it():
     assert hub.see_trainer_done() and hub.stats()["done_seen"]
     rebuilt = RolloutHub(max_batches=2, restarted=True)
     assert not rebuilt.see_trainer_done() and not rebuilt.stats()["done_seen"]
+
+
+def test_the_server_rejoins_with_its_generators_versions():
+    """A rebuilt hub hears the versions the server's generators hold with its state: a trainer restored
+    at 65 after generators on the lost trainer's 67 publishes 69, even if no generator leased first."""
+    hub = RolloutHub(max_batches=4, restarted=True)
+    hub.rejoin_server(prompts(range(4)), True, {"g": None}, versions=[66, 67])
+    assert hub.rollback([], 65) == 69
