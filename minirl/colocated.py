@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from minirl import vllm_compat as vc
-from minirl.trainer import PLANNED_TOKENS, Trainer, TrainerConfig, check_model_path, precision
+from minirl.model import check_model_path, precision
+from minirl.trainer import PLANNED_TOKENS, Trainer, TrainerConfig
 from minirl.weights import SyncError, check_sync, check_tolerance, probe_gap  # noqa: F401 (public)
 
 GIB = 1 << 30

@@ -265,7 +265,7 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_model, wm):
     """load_fsdp_model(activation_checkpointing=True) recomputes every layer in backward, =1 the
     first of the two alone (each recomputed layer starts its forward twice a step, the other once):
     same loss and gradients as without (fp32, CPU), in the process group the session already has."""
-    from minirl.trainer import _decoder_layers, load_fsdp_model, recomputed_layers
+    from minirl.model import _decoder_layers, load_fsdp_model, recomputed_layers
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
     grads = []
     for ckpt, calls in ((False, [1, 1]), (True, [2, 2]), (1, [2, 1])):
@@ -290,7 +290,7 @@ def test_gather_during_forward_is_the_full_gather(tiny_model, wm, ckpt):
     full_weight_buckets does; the forward's result is untouched; units the forward skips are
     gathered after it; the model ends resharded."""
     from torch.distributed.fsdp import FSDPModule
-    from minirl.trainer import load_fsdp_model
+    from minirl.model import load_fsdp_model
     from minirl.weights import full_weight_buckets, gather_during_forward, reshard
     m = load_fsdp_model(tiny_model, wm.device, 1, torch.float32, activation_checkpointing=ckpt)
     ids = torch.tensor([[5, 6, 7, 8, 9]])

@@ -362,12 +362,12 @@ def test_varlen_attention_plumbing_on_cpu(tmp_path, monkeypatch):
     packed row gives each sequence's own logits, and a padded batch takes the exact SDPA path."""
     import torch.nn.attention.varlen as varlen
     from transformers import AutoModelForCausalLM
-    from minirl import trainer as trainer_mod
+    from minirl import model as model_mod
     from minirl.recipes.tiny import build_tiny_model
     monkeypatch.setattr(varlen, "varlen_attn", _reference_varlen_attn)
     path = build_tiny_model(tmp_path / "gqa", hidden_size=256, num_heads=4, num_kv_heads=2)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 attn_implementation=trainer_mod._register_varlen())
+                                                 attn_implementation=model_mod._register_varlen())
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     rs = _rollouts(3)
     (mb,) = pack(rs, max_tokens=1000)
