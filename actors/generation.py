@@ -33,7 +33,7 @@ class GenerationActor:
                  gen_kwargs: dict, call_timeout_s: float = 600.0, token: str | None = None):
         from minirl.episodes import EpisodeConfig
         from minirl.generator import Generator
-        from minirl.trainer import model_identity
+        from minirl.model import model_identity
         self.worker_id, self.timeout = worker_id, call_timeout_s
         self._stop = threading.Event()
         self.queue = connect_queue(queue_name, namespace=namespace, token=token)    # the run's token

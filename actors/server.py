@@ -37,16 +37,16 @@ class RolloutServer:
                  ready_timeout_s: float = 600.0, llm_kwargs: dict | None = None, on_failure: str = "stop",
                  reward_timeout_s: float | None = 300.0, episode=None, episode_config=None,
                  token: str | None = None):
-        from minirl import faults, trainer
+        from minirl import faults, model as models
         faults.check_settings("RolloutServer", group_size, sampling, episode or reward_fn, reward_timeout_s, on_failure,
                        {"num_generators": (num_generators, 0), "queue_size": (queue_size, 1),
                         "prompts_per_call": (prompts_per_call, 1), "call_timeout_s": (call_timeout_s, 1e-9),
                         "ready_timeout_s": (ready_timeout_s, 1e-9)})
         placement.ray_init(namespace)
-        self.model, self.timeout = trainer.check_model_path(model), call_timeout_s
+        self.model, self.timeout = models.check_model_path(model), call_timeout_s
         self.token = tokens.for_run(token)
         self.queue = create_queue(queue_address, max_batches=queue_size, namespace=namespace, token=self.token,
-                                  model_id=trainer.model_identity(self.model), on_failure=on_failure)
+                                  model_id=models.model_identity(self.model), on_failure=on_failure)
         gen = {"reward_fn": reward_fn, "group_size": group_size, "sampling": sampling, "episode": episode,
                "episode_config": episode_config, "reward_timeout_s": reward_timeout_s, **(llm_kwargs or {})}
         self.pool = GeneratorPool(self.model, self.queue, queue_address, namespace, gen,

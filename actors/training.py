@@ -26,7 +26,8 @@ from actors.queue import DEFAULT_NAMESPACE, connect_queue
 from actors.weights import WeightPusher
 from minirl.data import RolloutBatch, split_by_tokens
 from minirl.hub import QueueRestarted
-from minirl.trainer import Trainer, TrainerConfig, check_model_path, model_identity
+from minirl.model import check_model_path, model_identity
+from minirl.trainer import Trainer, TrainerConfig
 
 
 class TrainWorker:

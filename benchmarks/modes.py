@@ -10,7 +10,7 @@ with LoRA the base model is the reference; with full/offload a second model, on 
 offload). Fixed settings for every cell, so that cells compare and start fast: activation
 checkpointing on, layers not compiled, the engine asleep (level 2) while training with a --kv-cache-gib KV cache, eager
 (no CUDA graphs); the memory plan's start-up trial is skipped. Cells that
-WeightManager's own check (minirl.colocated.check_fits: the device, and host memory with offload)
+WeightManager's own check (minirl.memory.check_fits: the device, and host memory with offload)
 refuses are not started ("does not fit (estimate): " and its message); a cell that fails to fit
 later reports the MemoryError's message. Peak memory: the device's used memory
 (total - free, polled every 20 ms: trainer, engine and caches together) and torch's peak
@@ -55,7 +55,8 @@ def measure(model: str, mode: str, reference: bool, args) -> dict:
     import torch
     from vllm import SamplingParams
     from minirl import WeightManager, parse_vllm_outputs, ppo_loss_fn
-    from minirl.colocated import WeightManagerConfig, estimate_memory
+    from minirl.colocated import WeightManagerConfig
+    from minirl.memory import estimate_memory
     from minirl.reference import kl_penalty
     from minirl.recipes.tasks import get_task
     cuda = torch.cuda.is_available()
@@ -102,7 +103,7 @@ def measure(model: str, mode: str, reference: bool, args) -> dict:
         steps.append({"step_s": t4 - t1, "switch_s": t2 - t1, "generate_s": t3 - t2, "train_s": t4 - t3,
                       "tokens": out["tokens"], "kl_ref": out.get("kl_ref"), **wm.timings})
     stop.set()
-    result = {"build_s": build_s, "sleep_level": wm.sleep_level, "steps": steps[1:],
+    result = {"build_s": build_s, "sleep_level": wm.memory_plan.sleep_level, "steps": steps[1:],
               "step_s": sorted(s["step_s"] for s in steps[1:])[len(steps[1:]) // 2],
               "peak_device_gib": used[0] / 2**30 if cuda else None,
               "peak_torch_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
@@ -141,7 +142,7 @@ def main():
     import torch
     from models import build_random_model
     from switch import _commit, _versions
-    from minirl.colocated import check_fits, estimate_memory
+    from minirl.memory import check_fits, estimate_memory
     cuda, start = torch.cuda.is_available(), time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,7 @@ side's smoke test (TRL needs CUDA here).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import statistics
@@ -103,10 +104,11 @@ def run_minirl(args, model: str) -> dict:
     real_close = mod.WeightManager.close
 
     def close(wm):                                        # what the memory plan chose, for the record
-        seen.update(sleep_level=wm.sleep_level, offload_optimizer=wm.offload_optimizer,
-                    micro_batch_tokens=wm.trainer.config.micro_batch_tokens,
-                    activation_checkpointing=wm.trainer.recomputes, recomputed_layers=wm.trainer.recomputed_layers,
-                    layers=wm.trainer.num_layers, memory_plan=wm.trainer.memory_plan)
+        plan = wm.memory_plan
+        seen.update(sleep_level=plan.sleep_level, offload_optimizer=plan.offload_optimizer,
+                    micro_batch_tokens=plan.micro_batch_tokens, activation_checkpointing=plan.recomputed_layers > 0,
+                    recomputed_layers=plan.recomputed_layers, layers=wm.trainer.num_layers,
+                    memory_plan=dataclasses.asdict(plan))
         return real_close(wm)
     mod.WeightManager.close = close
     if args.profile:

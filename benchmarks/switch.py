@@ -63,7 +63,7 @@ def measure(model: str, sleep_level: int, verify: bool, args) -> dict:
         steps.append({"as_trainable_s": t1 - t0, "train_step_s": t2 - t1, "as_vllm_s": t3 - t2,
                       "switch_s": (t1 - t0) + (t3 - t2), "policy_version": wm.policy_version, **wm.timings})
     keys = [k for k in steps[1] if isinstance(steps[1][k], (int, float))]
-    out = {"sleep_level": wm.sleep_level, "verify": verify, "steps": steps[1:],
+    out = {"sleep_level": wm.memory_plan.sleep_level, "verify": verify, "steps": steps[1:],
            "median": {k: statistics.median(s[k] for s in steps[1:] if k in s) for k in keys}}
     wm.close()
     return out

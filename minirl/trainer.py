@@ -17,18 +17,17 @@ Bigger models on fewer GPUs: `lora=LoRAConfig(...)` trains PEFT adapters only (t
 merged weights, checkpoints hold the adapters); `cpu_offload` keeps parameters, gradients and AdamW
 state on the host (FSDP2's CPUOffloadPolicy); `reference=True` adds a frozen reference policy whose
 log-probs of each packed micro-batch reach loss_fn as `batch.ref_logprobs` (for a KL penalty).
+Loading and sharding the model: minirl.model. What the co-located backend plans (micro-batch size,
+recomputed layers, activation memory budget) reaches the trainer through apply(plan): minirl.memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import logging
-import math
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -38,7 +37,9 @@ import torch.distributed as dist
 from minirl.core import token_logprobs
 from minirl.data import pack, split_by_tokens
 from minirl.distributed import init_distributed, pick_device
-from minirl.lora import LoRAConfig, adapters_off, apply_lora, base_name, merge_bucket
+from minirl.lora import LoRAConfig, adapters_off, base_name, merge_bucket
+from minirl.model import _decoder_layers, check_model_path, load_fsdp_model, model_identity, precision, \
+    recompute_layers, recomputed_layers
 from minirl.weights import bucket_fingerprint, bucket_layout, full_weight_buckets, gather_during_forward, reshard
 
 
@@ -56,22 +57,17 @@ class TrainerConfig:
     """"auto" (bf16 compute + fp32 master weights on CUDA, fp32 on CPU), "bf16" or "fp32"."""
     activation_checkpointing: bool | int | None = None
     """Recompute decoder layers' activations in backward (HF gradient checkpointing): True every
-    layer, an int that many (evenly spaced), False none. None: none, unless measure_peak() finds that
-    neither a full micro-batch nor half of one (then micro_batch_tokens is halved) would fit without
-    it (CUDA); then the fewest layers that make a full micro-batch fit."""
+    layer, an int that many (evenly spaced), False none. None: none, or the fewest layers that make
+    a micro-batch fit in the co-located memory plan (minirl.memory, CUDA)."""
     micro_batch_tokens: int | None = None
-    """Token budget of one packed micro-batch (a longer rollout gets a row of its own). None:
-    planned. Where measure_peak() runs (the co-located memory plan on CUDA) the largest of
-    PLANNED_TOKENS that fits without recomputation (if none does: 16,384 tokens, recomputing the
-    fewest layers); elsewhere 16,384."""
+    """Token budget of one packed micro-batch (a longer rollout gets a row of its own). None: 16,384,
+    or the largest of memory.PLANNED_TOKENS that fits in the co-located memory plan (CUDA)."""
     activation_memory_budget: float | None = None
     """torch.compile's activation memory budget for the compiled decoder layers, in (0, 1]
     (torch._functorch.config.activation_memory_budget): 1 keeps what its partitioner saves for
-    backward by default; lower values have it recompute more in backward instead, the cheapest ops
-    first (norms, rotary, SwiGLU's product before any matmul). Needs compile. None: planned. Where
-    measure_peak() plans micro_batch_tokens, 1 or LOW_MEMORY_BUDGET when only that lets a longer
-    micro-batch fit without recomputing layers (Qwen3-4B on an H200: 16,384 tokens instead of 8,192,
-    a training phase 3% shorter); elsewhere 1."""
+    backward by default; lower values recompute more in backward, the cheapest ops first (norms,
+    rotary, SwiGLU's product). Needs compile. None: 1, or memory.LOW_MEMORY_BUDGET where only that
+    lets a longer planned micro-batch fit (Qwen3-4B on an H200: 16,384 tokens, not 8,192: 3% faster)."""
     attention: str = "auto"
     """"varlen" (torch's flash varlen kernel, CUDA), "sdpa" (a block-diagonal mask), "auto"."""
     seed: int = 0
@@ -97,201 +93,9 @@ class TrainerConfig:
     None: on CUDA (inductor), off on CPU; True: inductor; a str: that backend; False: eager."""
 
 
-PLANNED_TOKENS = (32768, 16384, 8192)
-"""The micro-batch sizes measure_peak chooses from when micro_batch_tokens is left to it, largest
-first. Larger micro-batches train faster where they fit (fewer FSDP2 gathers and launches, larger
-matmuls): Qwen3-0.6B's training phase of 512 x 1,088 tokens took 5.56 s at 32,768 against 6.25 s at
-16,384 on an H200 (benchmarks/train_phase.py, benchmarks/results/2026-12-04)."""
-
-LOW_MEMORY_BUDGET = 0.6
-"""The activation memory budget measure_peak tries when a micro-batch does not fit at 1. Qwen3-4B's
-training phase of 512 x 320 tokens on an H200 (benchmarks/train_phase.py,
-benchmarks/results/2026-12-04-b): 8,192-token micro-batches at budget 1 took 8.57 s and peaked at
-99.5 GiB; 16,384 tokens at 0.8 took 8.15 s at 116.4 GiB, at 0.6 8.34 s at 106.2 GiB (at 1 they
-would need ~142 GiB). 0.6 keeps a planned step's peak near the shorter rows' at most of the gain."""
-
-_BUDGET_BOUND = 0.5
-"""measure_peak runs a trial at LOW_MEMORY_BUDGET only where the activations at budget 1 (the small
-trials' line), scaled by this, would fit: 0.55 of them remained at 0.6 in the measurement above."""
-
-
-def check_model_path(model: str) -> str:
-    """A local HF directory (resolved) or a hub name; FileNotFoundError naming what is wrong."""
-    p = Path(model).expanduser()
-    if p.exists():
-        if not (p / "config.json").exists():
-            raise FileNotFoundError(f"{p} has no config.json: pass a Hugging Face model directory "
-                                    "(config.json, weights, tokenizer) or a hub name")
-        return str(p.resolve())
-    if model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise FileNotFoundError(f"model {model!r} not found: no such directory, and not a hub name "
-                                "of the form 'org/name'")
-    try:  # a hub name: resolvable from the local cache or the hub?
-        from transformers import AutoConfig
-        AutoConfig.from_pretrained(model)
-    except Exception as e:
-        raise FileNotFoundError(f"model {model!r} is neither a local directory nor loadable from the "
-                                f"Hugging Face hub ({type(e).__name__}: {e}); download it first or "
-                                "pass its local path") from e
-    return model
-
-
-def model_identity(model: str) -> str:
-    """What two processes compare to check they serve the same model: a hub name as is; for a
-    local directory, a hash of config.json and the weight files' names and sizes (so the same
-    model unpacked in two job working directories matches)."""
-    p = Path(model)
-    if not p.is_dir():
-        return model
-    h = hashlib.sha1((p / "config.json").read_bytes())
-    for f in sorted(p.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return f"{p.name}@{h.hexdigest()[:12]}"
-
-
-def precision(name: str, device: torch.device) -> torch.dtype:
-    """The compute dtype for mixed_precision=name on device; ValueError for what cannot work."""
-    if name == "fp16":
-        raise ValueError("mixed_precision='fp16' needs loss scaling, which minirl does not do: use 'bf16'")
-    if name not in ("auto", "bf16", "fp32"):
-        raise ValueError(f"mixed_precision={name!r}: choose 'auto', 'bf16' or 'fp32'")
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ValueError(f"mixed_precision='bf16' but {torch.cuda.get_device_name(device)} has no bf16: "
-                         "use 'fp32'")
-    return torch.bfloat16 if name == "bf16" else torch.float32
-
-
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]   # FSDP2 subclasses
-    if not layers:
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (no "
-                         "_no_split_modules): minirl shards per decoder layer")
-    return layers
-
-
-_VARLEN_PARAMS: set = set()     # varlen_attn's keyword names in this torch (filled on registration)
-
-
-def _varlen_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
-                      cu_seq_lens_q=None, max_length_q=None, **kwargs):
-    """transformers attention over packed rows with torch's flash varlen kernel: (B, H, T, D) in,
-    (B, T, H, D) out. Rows without cu_seq_lens are one sequence each; a padded batch (an
-    attention mask: collate's right padding) takes transformers' exact SDPA path instead."""
-    from torch.nn.attention.varlen import varlen_attn
-    if attention_mask is not None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **kwargs)
-    B, H, T, D = query.shape
-    if cu_seq_lens_q is None:
-        cu_seq_lens_q, max_length_q = torch.arange(0, (B + 1) * T, T, dtype=torch.int32,
-                                                   device=query.device), T
-    q = query.transpose(1, 2).reshape(B * T, H, D)
-    k, v = (x.transpose(1, 2).reshape(B * T, -1, D) for x in (key, value))
-    extra = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}   # causal
-    if k.shape[1] != H and "enable_gqa" in _VARLEN_PARAMS:     # grouped-query attention
-        extra["enable_gqa"] = True
-    elif k.shape[1] != H:
-        k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))
-    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling, **extra)
-    return out.view(B, T, H, D), None
-
-
-def _attention(name: str, device: torch.device) -> str:
-    """The transformers attn_implementation for TrainerConfig.attention (registers varlen)."""
-    if name not in ("auto", "varlen", "sdpa"):
-        raise ValueError(f"attention={name!r}: choose 'auto', 'varlen' or 'sdpa'")
-    try:
-        import torch.nn.attention.varlen  # noqa: F401
-        has_varlen = device.type == "cuda"
-    except ImportError:
-        has_varlen = False
-    if name == "varlen" and not has_varlen:
-        raise ValueError("attention='varlen' needs CUDA and torch.nn.attention.varlen (torch >= 2.10): "
-                         "use 'sdpa'")
-    return "sdpa" if name == "sdpa" or not has_varlen else _register_varlen()
-
-
-def _register_varlen() -> str:
-    import inspect
-    from torch.nn.attention.varlen import varlen_attn
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    _VARLEN_PARAMS.update(inspect.signature(varlen_attn).parameters)
-    AttentionInterface.register("minirl_varlen", _varlen_attention)
-    AttentionMaskInterface.register(
-        "minirl_varlen", lambda **kw: None if kw.get("attention_mask") is None else sdpa_mask(**kw))
-    return "minirl_varlen"
-
-
-def load_fsdp_model(path: str, device: torch.device, world: int, compute_dtype: torch.dtype, *,
-                    activation_checkpointing: bool = False, attention: str = "auto",
-                    trust_remote_code: bool = False, lora: LoRAConfig | None = None,
-                    offload: bool = False, dtype: torch.dtype = torch.float32, compile: str | None = None):
-    """Load an HF causal LM in `dtype` (fp32: master weights), inject LoRA adapters if asked, and
-    shard it with FSDP2: each decoder layer, then the root; with `offload` the shards stay on
-    the host (buffers, e.g. rotary tables, go to the device)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
-                                                 attn_implementation=_attention(attention, device),
-                                                 trust_remote_code=trust_remote_code)
-    if lora is not None:
-        model = apply_lora(model, lora)
-    if activation_checkpointing:
-        recompute_layers(model, None if activation_checkpointing is True else activation_checkpointing)
-    mesh = init_device_mesh(device.type, (world,))
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    off = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
-    kw = dict(mesh=mesh, mp_policy=mp, offload_policy=off)
-    for layer in _decoder_layers(model):
-        fully_shard(layer, **kw)
-        if compile:
-            layer.compile(backend=compile, dynamic=True)
-    fully_shard(model, **kw)
-    if not offload:
-        return model.to(device)
-    for m in model.modules():             # the shards stay on the host, buffers go to the device
-        for name, b in m.named_buffers(recurse=False):
-            setattr(m, name, b.to(device))
-    return model
-
-
-def recompute_layers(model: torch.nn.Module, k: int | None = None) -> None:
-    """Recompute the activations of k decoder layers (None: all), evenly spaced, in backward; the
-    others keep theirs."""
-    layers = _decoder_layers(model)
-    n = len(layers) if k is None else k
-    if not 0 <= n <= len(layers):
-        raise ValueError(f"activation_checkpointing={k}: the model has {len(layers)} decoder layers; "
-                         f"pass 0..{len(layers)}, True (all) or None (planned)")
-    if n == 0:
-        return model.gradient_checkpointing_disable()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    chosen = {i * len(layers) // n for i in range(n)}
-    for i, layer in enumerate(layers):           # HF reads each layer's flag at every call
-        layer.gradient_checkpointing = i in chosen
-
-
-def recomputed_layers(model: torch.nn.Module) -> int:
-    """How many decoder layers recompute their activations in backward."""
-    return sum(bool(getattr(m, "gradient_checkpointing", False)) for m in _decoder_layers(model))
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP2 parameters, their gradients and AdamW state); t otherwise."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def predict_peak(n1: int, peak1: int, n2: int, peak2: int, n: int) -> float:
-    """The peak at n tokens on the line through two trials (gradients are the same at any size,
-    activations grow linearly in tokens)."""
-    return peak2 + (peak2 - peak1) / (n2 - n1) * (n - n2)
 
 
 class Trainer:
@@ -302,12 +106,11 @@ class Trainer:
     """
 
     def __init__(self, model: str, config: TrainerConfig | None = None):
-        cfg = config or TrainerConfig()
-        self.planned_tokens = cfg.micro_batch_tokens is None
-        """micro_batch_tokens was left to measure_peak (TrainerConfig.micro_batch_tokens None)."""
-        cfg = self.config = replace(cfg, micro_batch_tokens=PLANNED_TOKENS[1]) if self.planned_tokens else cfg
-        if cfg.micro_batch_tokens < 1:
-            raise ValueError(f"micro_batch_tokens must be >= 1, got {cfg.micro_batch_tokens}")
+        cfg = self.config = config or TrainerConfig()      # as the user gave it, never rewritten
+        self.micro_batch_tokens = 16384 if cfg.micro_batch_tokens is None else cfg.micro_batch_tokens
+        """The token budget of a packed micro-batch: the config's, 16,384, or a memory plan's (apply)."""
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
         budget = cfg.activation_memory_budget
         if budget is not None and not 0 < budget <= 1:
             raise ValueError(f"activation_memory_budget must be in (0, 1] (1: what torch.compile saves by "
@@ -343,12 +146,13 @@ class Trainer:
                                            lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                            weight_decay=cfg.weight_decay,
                                            fused=self.device.type == "cuda" and not cfg.cpu_offload)
-        self._allocate_optimizer_state()
+        with _explain_oom(self, "allocating AdamW's state at load"):
+            _allocate_state(self.optimizer)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         self.optimizer.register_step_post_hook(lambda *_: setattr(self, "stepped", True))
         self.policy_version = 0
         """The version of the last published weights (publish() counts them)."""
-        self.memory_plan: dict | None = None
-        """What measure_peak tried and chose (CUDA): usable and AdamW GiB, trials, verdict."""
         self.stepped = False
         """True when the optimizer stepped since the last publish()."""
         self._state_host: list[tuple[torch.Tensor, torch.Tensor]] | None = None   # (device, host) pairs
@@ -369,12 +173,12 @@ class Trainer:
         pass over the logits as the log-probs. Returns the global token means of the loss and of
         every value loss_fn reports, and "tokens".
         """
-        with self._explain_oom(f"forward_backward (micro-batches of <= {self.config.micro_batch_tokens} tokens)"):
+        with _explain_oom(self, f"forward_backward (micro-batches of <= {self.micro_batch_tokens} tokens)"):
             return self._forward_backward(list(rollouts), loss_fn, temperature, num_global_tokens, entropy)
 
     def _forward_backward(self, rollouts, loss_fn, temperature, num_global_tokens, entropy) -> dict[str, float]:
         self.model.train()
-        mbs = pack(rollouts, self.config.micro_batch_tokens)
+        mbs = pack(rollouts, self.micro_batch_tokens)
         counts = torch.tensor([sum(mb.num_tokens for mb in mbs), len(mbs)], device=self.device)
         if self.rank.world_size > 1:
             dist.all_reduce(counts[:1])
@@ -439,54 +243,10 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"gradient norm is {norm}: the step was refused (weights "
                                      "unchanged). Look for NaN/inf rewards, advantages or log-probs")
-        with self._explain_oom("the AdamW step"):
+        with _explain_oom(self, "the AdamW step"):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": norm}
-
-    @contextlib.contextmanager
-    def _explain_oom(self, what: str):
-        """torch's out-of-memory error inside `what` becomes a MemoryError that says what this rank
-        holds, what the device has and which levers would make the step fit. The step's gradients
-        are freed (the step is lost, the weights are unchanged) so the process can go on."""
-        try:
-            yield
-        except torch.OutOfMemoryError as e:
-            asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(e))
-            held = {"weights": [p for p in self.model.parameters()],
-                    "gradients": [p.grad for p in self.model.parameters() if p.grad is not None],
-                    "AdamW state": [t for st in self.optimizer.state.values() for t in st.values()
-                                    if torch.is_tensor(t) and t.dim()]}
-            on = self.device.type                          # offloaded state is not on the device
-            sizes = {k: sum(_local(t).numel() * t.element_size() for t in v if t.device.type == on) / 2**30
-                     for k, v in held.items()}
-            total = torch.cuda.mem_get_info(self.device)[1] / 2**30 if self.device.type == "cuda" else None
-            reshard(self.model)
-            self.optimizer.zero_grad(set_to_none=True)
-            levers = self._memory_levers()
-            levers.append(f"a smaller micro_batch_tokens (now {self.config.micro_batch_tokens}); more GPUs "
-                          "(every trainer part is sharded), or a smaller model")
-            raise MemoryError(
-                f"training ran out of device memory in {what}"
-                + (f" asking for {asked.group(1)} more" if asked else "") + ": this rank held "
-                + ", ".join(f"{k} {v:.1f} GiB" for k, v in sizes.items()) + " (activations on top)"
-                + (f" of the {total:.1f} GiB {torch.cuda.get_device_name(self.device)}" if total else "")
-                + ". The step's gradients were freed (weights unchanged). Levers: " + "; ".join(levers) + "."
-            ) from e
-
-    def _memory_levers(self) -> list[str]:
-        """The settings of this trainer that would lower its device memory, as a user sets them."""
-        cfg, levers = self.config, []
-        if cfg.lora is None:
-            levers.append("LoRA (TrainerConfig(lora=LoRAConfig()), launch --lora-rank 16): gradients and "
-                          "AdamW state for the adapters only")
-        if not cfg.cpu_offload:
-            levers.append("cpu_offload=True (--offload): weights, gradients and AdamW state on the host")
-        if self.reference is not None and not cfg.reference_offload:
-            levers.append("reference_offload=True (--reference-offload)")
-        if self.recomputed_layers < self.num_layers:
-            levers.append("activation_checkpointing=True (every layer recomputed)")
-        return levers
 
     def rebalance(self, rollouts: list) -> list:
         """Every rank's rollouts, re-split so each rank holds about as many tokens (collective)."""
@@ -496,31 +256,6 @@ class Trainer:
         dist.all_gather_object(parts, list(rollouts))
         mine = split_by_tokens([r for p in parts for r in p], self.rank.world_size)[self.rank.rank]
         return [r.to(self.device) for r in mine]
-
-    def _allocate_optimizer_state(self) -> None:
-        """AdamW's moments, allocated now by a step of AdamW itself over zero gradients at lr 0 (the
-        moments stay zero, the weights and their decay unchanged; its step count goes back to 0):
-        exactly the state the first real step would create. Allocated here, on a device that holds
-        only the weights, it lies in segments of its own. Created by the first step, it filled the
-        blocks the step's activations had freed, and the allocator could return none of those
-        segments: at the Qwen3-4B shape on an H200, 4.8 GiB was reserved but unallocated when the
-        second training step ran out of memory, and 5.6 GiB when the engine's generation beside the
-        trainer did (1,024-token completions)."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        lrs = [g["lr"] for g in self.optimizer.param_groups]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        for g in self.optimizer.param_groups:
-            g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
-        with self._explain_oom("allocating AdamW's state at load"):
-            self.optimizer.step()
-        for g, lr in zip(self.optimizer.param_groups, lrs):
-            g["lr"] = lr
-        for st in self.optimizer.state.values():
-            st["step"].zero_()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     @property
     def optimizer_state_bytes(self) -> int:
@@ -538,7 +273,7 @@ class Trainer:
         cuda = self.device.type == "cuda"
         if self._state_where == "device":
             if self._state_host is None:
-                self._state_host = self._host_buffers()
+                self._state_host = _host_buffers(self.optimizer, self.device)
             if cuda:
                 self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))   # the last step wrote it
             with torch.cuda.stream(self._copy_stream) if cuda else contextlib.nullcontext():
@@ -582,166 +317,20 @@ class Trainer:
     def _copy_stream(self):
         return torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
-    def _host_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(device tensor, host view) for each tensor of AdamW's state on the device, the views in
-        one host buffer (one pinned allocation: PyTorch's pinned allocator rounds each one up to a
-        power of two). A state tensor that is a view of a larger storage cannot be freed alone."""
-        pairs, offsets, total = [], [], 0
-        for st in self.optimizer.state.values():
-            for v in st.values():
-                t = _local(v) if torch.is_tensor(v) else None
-                if t is None or t.device.type != self.device.type or t.numel() == 0:
-                    continue
-                nbytes = t.numel() * t.element_size()
-                if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != nbytes:
-                    raise RuntimeError("AdamW's state holds a view of a larger tensor; it cannot be moved "
-                                       "to the host alone: run without offload_optimizer")
-                pairs.append(t)
-                offsets.append(total)
-                total += -(-nbytes // 64) * 64
-        buf = torch.empty(total, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        return [(t, buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
-                for t, o in zip(pairs, offsets)]
+    def apply(self, plan) -> None:
+        """Train as a memory plan says (minirl.memory.MemoryPlan): its micro_batch_tokens, recomputed
+        decoder layers and activation memory budget. The one place a plan reaches the trainer."""
+        self.micro_batch_tokens = plan.micro_batch_tokens
+        self.use_memory_budget(plan.activation_memory_budget)
+        if self.recomputed_layers != plan.recomputed_layers:
+            recompute_layers(self.model, plan.recomputed_layers)
 
-    def measure_peak(self, reserve: int = 0, largest: int | None = None) -> int:
-        """Bytes allocated (CUDA) at the peak of one forward_backward over a full micro-batch of
-        random tokens, weights, gradients and AdamW's state (allocated at load) included. With
-        activation_checkpointing None, recomputes the fewest decoder layers that make that
-        micro-batch fit: two small trials (1/8 and 1/4 of it) predict the full one's peak without
-        recomputation (activations grow linearly in tokens), so a micro-batch far too big is never
-        run (its failed attempt would fill the device); when half of it would fit,
-        micro_batch_tokens is halved instead (a warning says so); else, or when the full
-        micro-batch did not fit after all, the fewest layers (_fewest_layers). With micro_batch_tokens
-        left to it (planned_tokens), the largest of PLANNED_TOKENS predicted by the small trials (of
-        the largest) and confirmed by its own to fit without recomputation, none above `largest`, at
-        the activation memory budget of 1 or else (activation_memory_budget None, compiled layers) at
-        LOW_MEMORY_BUDGET, whose trial runs where _BUDGET_BOUND of the line's activations would fit;
-        if none does, 16,384 tokens and the fewest layers at the budget it started with. Usable: 95% of
-        the device, or all of it but `reserve` bytes when given (what shares it, e.g. a sleeping
-        engine, and headroom). The trials and the verdict are in self.memory_plan and logged. Leaves
-        no gradients behind; MemoryError when it does not fit."""
-        n = self.config.micro_batch_tokens
-        total = torch.cuda.mem_get_info(self.device)[1]
-        limit = total - reserve if reserve else total * 0.95
-        self.memory_plan = {"usable_gib": limit / 2**30, "trials": []}
-        none = None                 # the full micro-batch's peak without recomputation (predicted, then measured)
-        auto = self.config.activation_checkpointing is None
-        if auto and self.planned_tokens:
-            sizes = [m for m in PLANNED_TOKENS if largest is None or m <= largest] or [PLANNED_TOKENS[-1]]
-            big = sizes[0]
-            small = {m: self._plan_trial(0, m) for m in (big // 8, big // 4)}
-            if None not in small.values():
-                line = lambda m: predict_peak(big // 8, small[big // 8], big // 4, small[big // 4], m)
-                base, budget = line(0), self.memory_budget      # weights, gradients, AdamW: no activations
-                low = [LOW_MEMORY_BUDGET] if self.compile and self.config.activation_memory_budget is None \
-                    and LOW_MEMORY_BUDGET < budget else []
-                for m in sizes:                        # the largest that fits, trials only where predicted to
-                    for b in [budget, *low]:           # at the budget the line was drawn at, else the low one
-                        guess = line(m) if b == budget else base + _BUDGET_BOUND * (line(m) - base)
-                        if guess > limit:
-                            continue
-                        self._use_memory_budget(b)
-                        peak = small[m] if m in small and b == budget else self._plan_trial(0, m)
-                        if peak is not None and peak <= limit:
-                            self.config = replace(self.config, micro_batch_tokens=m)
-                            return self._plan_done(peak, limit, m)
-                self._use_memory_budget(budget)
-                none = line(n)
-            return self._plan_done(self._fewest_layers(n, none, limit), limit, n)
-        if auto and n >= 64:
-            small = [self._plan_trial(0, n // 8), self._plan_trial(0, n // 4)]
-            if None not in small:
-                predicted = lambda m: predict_peak(n // 8, small[0], n // 4, small[1], m)
-                none = predicted(n)
-                if none > limit and predicted(n // 2) <= limit:
-                    logging.getLogger(__name__).warning(   # half the tokens, nothing recomputed: faster
-                        "micro_batch_tokens %d -> %d: a full micro-batch would not fit in training memory "
-                        "without recomputation (%.1f GiB usable); activation_checkpointing=True keeps %d",
-                        n, n // 2, limit / 2**30, n)
-                    n, none = n // 2, predicted(n // 2)
-                    self.config = replace(self.config, micro_batch_tokens=n)
-        if not auto or n < 64 or (none is not None and none <= limit):
-            peak = self._plan_trial(0 if auto else None, n)
-            if not auto or (peak is not None and peak <= limit):
-                return self._plan_done(peak, limit, n)
-            none = peak                            # measured (None: out of memory)
-        return self._plan_done(self._fewest_layers(n, none, limit), limit, n)
-
-    def _use_memory_budget(self, budget: float) -> None:
+    def use_memory_budget(self, budget: float) -> None:
         """Compile the decoder layers at this activation memory budget from the next pass on
         (torch.compiler.reset(): everything this process compiled compiles again at its next call)."""
         if budget != self.memory_budget:
             self.memory_budget = budget
             torch.compiler.reset()
-
-    def _plan_trial(self, layers: int | None, tokens: int) -> int | None:
-        """_trial_peak with that many layers recomputing (None: as they are), agreed over the ranks
-        and recorded in memory_plan["trials"]; None: out of memory."""
-        if layers is not None:
-            self.recompute_activations(layers)
-        peak = self.agreed_max([self._trial_peak(tokens)])[0]
-        self.memory_plan["trials"].append([tokens, self.recomputed_layers,
-                                           None if peak is None else round(peak / 2**30, 2),
-                                           self.memory_budget])
-        return peak
-
-    def _fewest_layers(self, n: int, none: float | None, limit: float) -> int | None:
-        """For an n-token micro-batch whose peak without recomputation (`none`; None: out of memory) is
-        over the limit: a trial recomputing every layer, then the fewest layers on the line through
-        the nearest trials that fit and that do not (the peak falls by about the same amount with each
-        layer recomputed; a trial out of memory halves the range instead), four partial trials at
-        most. Leaves that many layers recomputing; returns their peak (None when every layer does
-        not fit either)."""
-        layers = self.num_layers
-        hi, hi_peak = layers, self._plan_trial(layers, n)   # the fewest layers known to fit
-        if hi_peak is None or hi_peak > limit:
-            return hi_peak
-        lo, lo_peak = 0, none                               # the most known not to (None: out of memory)
-        for _ in range(4):
-            if hi - lo <= 1:
-                break
-            if lo_peak is None:
-                k = (lo + hi + 1) // 2
-            else:
-                k = lo + math.ceil((lo_peak - limit) / max((lo_peak - hi_peak) / (hi - lo), 1.0))
-                if k >= hi:
-                    break
-                k = max(k, lo + 1)
-            peak = self._plan_trial(k, n)
-            if peak is not None and peak <= limit:
-                hi, hi_peak = k, peak
-                break
-            lo, lo_peak = k, peak
-        if self.recomputed_layers != hi:
-            self.recompute_activations(hi)
-        return hi_peak
-
-    def _plan_done(self, peak: int | None, limit: float, n: int) -> int:
-        """measure_peak's verdict: logged and recorded, or MemoryError naming the levers."""
-        plan, layers = self.memory_plan, self.num_layers
-        plan.update(micro_batch_tokens=n, recomputed_layers=self.recomputed_layers,
-                    activation_memory_budget=self.memory_budget,
-                    peak_gib=None if peak is None else round(peak / 2**30, 2))
-        if peak is not None and peak <= limit:
-            logging.getLogger(__name__).info(
-                "training memory: %d-token micro-batches, %d of %d decoder layers recomputed, activation "
-                "memory budget %g, peak %.1f GiB of %.1f usable (trials [tokens, layers recomputed, GiB, "
-                "budget]: %s)", n, self.recomputed_layers, layers, self.memory_budget, peak / 2**30,
-                limit / 2**30, plan["trials"])
-            return peak
-        on = self.recomputes
-        need = "ran out of device memory" if peak is None else f"peaks at {peak / 2**30:.1f} GiB"
-        raise MemoryError(f"one micro-batch of {n} tokens does not fit in training memory on "
-                          f"{torch.cuda.get_device_name(self.device)} (activation checkpointing "
-                          f"{'on, ' + str(self.recomputed_layers) + ' layers' if on else 'off'}): its "
-                          f"forward_backward {need} (weights, gradients and AdamW's state included), and "
-                          f"{limit / 2**30:.1f} GiB is usable. Levers: a lower micro_batch_tokens, "
-                          + "; ".join([*self._memory_levers(), "more GPUs, or a smaller model"]))
-
-    @property
-    def recomputes(self) -> bool:
-        """Whether backward recomputes any decoder layer's activations (HF gradient checkpointing)."""
-        return self.recomputed_layers > 0
 
     @property
     def num_layers(self) -> int:
@@ -752,44 +341,6 @@ class Trainer:
     def recomputed_layers(self) -> int:
         """How many decoder layers recompute their activations in backward."""
         return recomputed_layers(self.model)
-
-    def recompute_activations(self, layers: int | None = None) -> None:
-        """Recompute that many decoder layers from now, evenly spaced (None: all; what
-        activation_checkpointing=True sets at load)."""
-        recompute_layers(self.model, layers)
-
-    def agreed_max(self, values: list[int | None]) -> list[int | None]:
-        """Each value's largest over the ranks (None, e.g. an out-of-memory trial, wins): memory
-        decisions taken on these are the same on every rank, so their collectives stay in step."""
-        if self.rank.world_size == 1:
-            return list(values)
-        big = 1 << 62
-        t = torch.tensor([big if v is None else int(v) for v in values], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return [None if x >= big else x for x in t.tolist()]
-
-    def _trial_peak(self, n: int) -> int | None:
-        """Peak bytes allocated by one forward_backward over n random tokens (None: out of memory),
-        accumulating into gradients that already exist, as every micro-batch after a step's first
-        does (a first one's backward frees activations as it makes gradients: it peaks lower)."""
-        from minirl.data import Rollout
-        dev = self.device
-        ids = torch.randint(0, self.model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
-        dummy = Rollout(prompt_ids=ids[:1].tolist(), completion_ids=ids[1:].tolist(), reward=0.0,
-                        sampling_logprobs=[0.0] * (n - 1), device=str(dev))
-        for p in self.model.parameters():
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        try:
-            self.forward_backward([dummy], lambda lp, mb, logits: (-lp, {}))
-            peak = torch.cuda.max_memory_allocated(dev)
-        except MemoryError:                        # forward_backward's out-of-memory error (resharded)
-            peak = None
-        self.optimizer.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()
-        return peak
 
     # -- weights ----------------------------------------------------------------------------------
 
@@ -886,3 +437,91 @@ class Trainer:
     def close(self) -> None:
         if self.rank.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _allocate_state(optimizer: torch.optim.Optimizer) -> None:
+    """AdamW's moments, allocated by a step of AdamW over zero gradients at lr 0 (moments zero,
+    weights unchanged, step count back to 0): the state the first real step would create. At load,
+    on a device holding only the weights, it lies in segments of its own; made by the first step,
+    it filled blocks the activations had freed that the allocator could not return: at the Qwen3-4B
+    shape on an H200, 4.8 GiB reserved but unallocated when the second training step ran out of
+    memory, 5.6 GiB when the engine's generation beside the trainer did (1,024-token completions)."""
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for p in (p for g in optimizer.param_groups for p in g["params"]):
+        p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    for st in optimizer.state.values():
+        st["step"].zero_()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _host_buffers(optimizer, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(device tensor, host view) for each tensor of AdamW's state on the device, the views in
+    one host buffer (one pinned allocation: PyTorch's pinned allocator rounds each one up to a
+    power of two). A state tensor that is a view of a larger storage cannot be freed alone."""
+    pairs, offsets, total = [], [], 0
+    for st in optimizer.state.values():
+        for v in st.values():
+            t = _local(v) if torch.is_tensor(v) else None
+            if t is None or t.device.type != device.type or t.numel() == 0:
+                continue
+            nbytes = t.numel() * t.element_size()
+            if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != nbytes:
+                raise RuntimeError("AdamW's state holds a view of a larger tensor; it cannot be moved "
+                                   "to the host alone: run without offload_optimizer")
+            pairs.append(t)
+            offsets.append(total)
+            total += -(-nbytes // 64) * 64
+    buf = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    return [(t, buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+            for t, o in zip(pairs, offsets)]
+
+
+@contextlib.contextmanager
+def _explain_oom(trainer: Trainer, what: str):
+    """torch's out-of-memory error inside `what` becomes a MemoryError that says what this rank
+    holds, what the device has and which levers would make the step fit. The step's gradients
+    are freed (the step is lost, the weights are unchanged) so the process can go on."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(e))
+        held = {"weights": [p for p in trainer.model.parameters()],
+                "gradients": [p.grad for p in trainer.model.parameters() if p.grad is not None],
+                "AdamW state": [t for st in trainer.optimizer.state.values() for t in st.values()
+                                if torch.is_tensor(t) and t.dim()]}
+        on = trainer.device.type                          # offloaded state is not on the device
+        sizes = {k: sum(_local(t).numel() * t.element_size() for t in v if t.device.type == on) / 2**30
+                 for k, v in held.items()}
+        total = torch.cuda.mem_get_info(trainer.device)[1] / 2**30 if trainer.device.type == "cuda" else None
+        reshard(trainer.model)
+        trainer.optimizer.zero_grad(set_to_none=True)
+        levers = memory_levers(trainer)
+        levers.append(f"a smaller micro_batch_tokens (now {trainer.micro_batch_tokens}); more GPUs "
+                      "(every trainer part is sharded), or a smaller model")
+        raise MemoryError(
+            f"training ran out of device memory in {what}"
+            + (f" asking for {asked.group(1)} more" if asked else "") + ": this rank held "
+            + ", ".join(f"{k} {v:.1f} GiB" for k, v in sizes.items()) + " (activations on top)"
+            + (f" of the {total:.1f} GiB {torch.cuda.get_device_name(trainer.device)}" if total else "")
+            + ". The step's gradients were freed (weights unchanged). Levers: " + "; ".join(levers) + "."
+        ) from e
+
+
+def memory_levers(trainer: Trainer) -> list[str]:
+    """The settings of a trainer that would lower its device memory, as a user sets them."""
+    cfg, levers = trainer.config, []
+    if cfg.lora is None:
+        levers.append("LoRA (TrainerConfig(lora=LoRAConfig()), launch --lora-rank 16): gradients and "
+                      "AdamW state for the adapters only")
+    if not cfg.cpu_offload:
+        levers.append("cpu_offload=True (--offload): weights, gradients and AdamW state on the host")
+    if trainer.reference is not None and not cfg.reference_offload:
+        levers.append("reference_offload=True (--reference-offload)")
+    if trainer.recomputed_layers < trainer.num_layers:
+        levers.append("activation_checkpointing=True (every layer recomputed)")
+    return levers

@@ -256,7 +256,7 @@ def test_a_trainer_that_fails_to_start_leaves_nothing_behind(ray_local, tiny_mod
 
 def test_wrong_queue_name_and_wrong_model(ray_local, tiny_model, tmp_path):
     from actors.queue import connect_queue, create_queue
-    from minirl.trainer import model_identity
+    from minirl.model import model_identity
     from minirl.recipes.tiny import build_tiny_model
     with pytest.raises(LookupError, match="no rollout queue named nope"):
         connect_queue("nope", timeout_s=0.5)
@@ -284,7 +284,7 @@ class _LyingGenerator:
 def test_async_sync_is_verified(ray_local, tiny_model, changed, msg):
     from actors.queue import create_queue
     from minirl import ppo_loss_fn
-    from minirl.trainer import model_identity
+    from minirl.model import model_identity
     from minirl.weights import SyncError
     name = f"q-verify-{changed}"
     q = create_queue(name, max_batches=4, model_id=model_identity(tiny_model), detached=False)

@@ -115,7 +115,7 @@ def test_resume_with_another_model_is_refused(wm, tmp_path):
     path = wm.save_checkpoint(ckpt, 1)
     state = json.loads((path / "state.json").read_text())
     other = build_tiny_model(tmp_path / "other", seed=0, intermediate_size=384)
-    from minirl.trainer import model_identity
+    from minirl.model import model_identity
     assert model_identity(str(other)) != state["compat"]["model"]
     with pytest.raises(CheckpointError, match="model"):
         ckpt.load(wm.model, wm.optimizer, compat={**state["compat"], "model": model_identity(str(other))})

@@ -265,7 +265,7 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_model, wm):
     """load_fsdp_model(activation_checkpointing=True) recomputes every layer in backward, =1 the
     first of the two alone (each recomputed layer starts its forward twice a step, the other once):
     same loss and gradients as without (fp32, CPU), in the process group the session already has."""
-    from minirl.trainer import _decoder_layers, load_fsdp_model, recomputed_layers
+    from minirl.model import _decoder_layers, load_fsdp_model, recomputed_layers
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
     grads = []
     for ckpt, calls in ((False, [1, 1]), (True, [2, 2]), (1, [2, 1])):
@@ -290,7 +290,7 @@ def test_gather_during_forward_is_the_full_gather(tiny_model, wm, ckpt):
     full_weight_buckets does; the forward's result is untouched; units the forward skips are
     gathered after it; the model ends resharded."""
     from torch.distributed.fsdp import FSDPModule
-    from minirl.trainer import load_fsdp_model
+    from minirl.model import load_fsdp_model
     from minirl.weights import full_weight_buckets, gather_during_forward, reshard
     m = load_fsdp_model(tiny_model, wm.device, 1, torch.float32, activation_checkpointing=ckpt)
     ids = torch.tensor([[5, 6, 7, 8, 9]])
@@ -329,7 +329,7 @@ def test_the_memory_plan_puts_the_engine_to_sleep_unless_told_to_keep_it(monkeyp
     that. A KV cache that would leave less than the headroom free beside the weights and AdamW (85
     GiB > 88 - 10 - 5.96) sends AdamW's state to the host while generating, which frees its 8 GiB:
     the 85 GiB fit (96 - 3 - 5.96 = 87.04); told not to, the cache is cut to 79.04 GiB."""
-    from minirl.colocated import GIB
+    from minirl.memory import GIB
     n_params = 10**9
     planned.clear()
     got_level, kw, need, got_offload = _stood_in_plan(monkeypatch, 88, want, sleep_level=sleep_level,
@@ -348,7 +348,7 @@ def test_the_memory_plan_sends_adamw_to_the_host_when_only_that_fits_the_engine(
     KV cache of two 1 GiB tokens do not fit with the 3 GiB margin, but do once AdamW's 8 GiB go
     to the host (16 - 3 - 5.96 = 7.04 GiB of cache). Told not to, or with less host memory than
     1.5x the state + 4 GiB, the plan raises and names that lever."""
-    from minirl.colocated import GIB
+    from minirl.memory import GIB
     if offload is None and host_gib > 16:
         level, kw, _, got = _stood_in_plan(monkeypatch, 8, 30, host_gib=host_gib, offload_optimizer=offload)
         assert got and abs(kw["kv_cache_memory_bytes"] / GIB - 7.04) < 0.05
@@ -361,7 +361,7 @@ planned: list = []   # the largest micro-batch each stood-in plan let measure_pe
 
 
 def _stood_in_plan(monkeypatch, free_gib: float, want: int, *, host_gib: float = 64, **cfg):
-    """_memory_plan on a stood-in 100 GiB device and trainer: 1B parameters, 12 GiB allocated (4 of
+    """memory.plan on a stood-in 100 GiB device and trainer: 1B parameters, 12 GiB allocated (4 of
     weights, 8 of AdamW's state), a step peaking at 44 GiB, 1 GiB of KV cache a token, `want`
     sequences of one token, `free_gib` free, `host_gib` of host memory available. `planned` records
     the `largest` micro-batch each plan let measure_peak choose."""
@@ -369,17 +369,20 @@ def _stood_in_plan(monkeypatch, free_gib: float, want: int, *, host_gib: float =
 
     import psutil
 
-    from minirl.colocated import GIB, WeightManagerConfig, _memory_plan
+    from minirl import memory
+    from minirl.colocated import WeightManagerConfig
+    from minirl.memory import GIB, MemoryPlan
     mc = types.SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, head_dim=GIB // 4,
                                max_position_embeddings=10)      # 1 GiB of KV cache a token (bf16)
     model = types.SimpleNamespace(config=mc, parameters=lambda: [types.SimpleNamespace(numel=lambda: 10**9)])
     trainer = types.SimpleNamespace(model=model, rank=types.SimpleNamespace(world_size=1),
                                     device=torch.device("cuda"), compute_dtype=torch.bfloat16,
-                                    measure_peak=lambda reserve, largest: planned.append(largest) or 44 * GIB,
-                                    optimizer_state_bytes=8 * GIB,
-                                    agreed_max=lambda v: v)
+                                    optimizer_state_bytes=8 * GIB)
+    monkeypatch.setattr(memory, "measure_peak", lambda trainer, reserve, largest: planned.append(largest)
+                        or MemoryPlan(peak_bytes=44 * GIB))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (int(free_gib * GIB), 100 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 12 * GIB)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "a stood-in GPU")
     monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=host_gib * GIB))
-    return _memory_plan(trainer, {"max_num_seqs": want, "max_model_len": 1}, WeightManagerConfig(**cfg))
+    p = memory.plan(trainer, {"max_num_seqs": want, "max_model_len": 1}, WeightManagerConfig(**cfg))
+    return p.sleep_level, p.engine_kwargs, p.peak_bytes - p.held_bytes, p.offload_optimizer

@@ -14,7 +14,8 @@ from vllm import SamplingParams
 
 from conftest import run_py
 from minirl import parse_vllm_outputs, ppo_loss_fn
-from minirl.colocated import GIB, HOST_RESERVE, SyncError, WeightManager, WeightManagerConfig, check_fits, estimate_memory
+from minirl.colocated import SyncError, WeightManager, WeightManagerConfig
+from minirl.memory import GIB, HOST_RESERVE, check_fits, estimate_memory
 from minirl.lora import LoRAConfig, merge_bucket
 from minirl.reference import kl_penalty
 from minirl.recipes.tasks import get_task

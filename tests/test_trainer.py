@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import run_py
-from minirl import Rollout, clipped_policy_loss, collate, entropy_from_logits, get_logprobs, pack, ppo_loss_fn
+from minirl import Rollout, clipped_policy_loss, collate, entropy_from_logits, get_logprobs, memory, pack, ppo_loss_fn
 from minirl.core import masked_mean
 from minirl.data import split_by_tokens
 from minirl.trainer import _local
@@ -80,7 +80,7 @@ def test_packed_unpacked_and_seed_loop_agree(trainer):
     loss_fn = ppo_loss_fn(clip_high=0.28, entropy=False)
     results = {}
     for budget in (10_000, 1):                       # one packed row; one row per rollout
-        trainer.config = dataclasses.replace(trainer.config, micro_batch_tokens=budget)
+        trainer.micro_batch_tokens = budget
         out = trainer.forward_backward(rs, loss_fn)
         results[budget] = (out, _grads(trainer.model))
     # The seed loop: right-padded batch, token mean of the clipped loss over the loss mask.
@@ -218,7 +218,7 @@ def test_non_finite_gradient_is_refused(trainer):
 
 def test_out_of_device_memory_names_what_was_held_and_the_levers(trainer, monkeypatch):
     rs, calls = _rollouts(3), []
-    trainer.config = dataclasses.replace(trainer.config, micro_batch_tokens=1)    # a row per rollout
+    trainer.micro_batch_tokens = 1                   # a row per rollout
     inner = ppo_loss_fn(entropy=False)
 
     def loss_fn(lp, mb, logits):        # the second micro-batch runs out, after the first's backward
@@ -244,15 +244,15 @@ def test_a_micro_batch_too_big_for_the_device_is_refused_with_its_numbers(traine
     gib = 2**30                         # measure_peak's verdict (CUDA), its device calls stood in for
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 10 * gib))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "a 10 GiB GPU")
-    monkeypatch.setattr(trainer, "_trial_peak", lambda n: 10 * gib)
+    monkeypatch.setattr(memory, "trial_peak", lambda tr, n: 10 * gib)
     monkeypatch.setattr(trainer, "config", dataclasses.replace(trainer.config, activation_checkpointing=True))
     with pytest.raises(MemoryError, match=r"peaks at 10.0 GiB \(weights, gradients and AdamW's state included\), "
                                           r"and 9.5 GiB is usable. Levers: a lower micro_batch_tokens, LoRA"):
-        trainer.measure_peak()
-    monkeypatch.setattr(trainer, "_trial_peak", lambda n: 9 * gib)
-    assert trainer.measure_peak() == 9 * gib
+        memory.measure_peak(trainer)
+    monkeypatch.setattr(memory, "trial_peak", lambda tr, n: 9 * gib)
+    assert memory.measure_peak(trainer).peak_bytes == 9 * gib
     with pytest.raises(MemoryError, match=r"and 8.5 GiB is usable"):       # 1.5 GiB kept for what shares the device
-        trainer.measure_peak(reserve=3 * gib // 2)
+        memory.measure_peak(trainer, reserve=3 * gib // 2)
 
 
 def test_a_step_with_every_token_masked_trains_nothing(trainer):
@@ -362,12 +362,12 @@ def test_varlen_attention_plumbing_on_cpu(tmp_path, monkeypatch):
     packed row gives each sequence's own logits, and a padded batch takes the exact SDPA path."""
     import torch.nn.attention.varlen as varlen
     from transformers import AutoModelForCausalLM
-    from minirl import trainer as trainer_mod
+    from minirl import model as model_mod
     from minirl.recipes.tiny import build_tiny_model
     monkeypatch.setattr(varlen, "varlen_attn", _reference_varlen_attn)
     path = build_tiny_model(tmp_path / "gqa", hidden_size=256, num_heads=4, num_kv_heads=2)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 attn_implementation=trainer_mod._register_varlen())
+                                                 attn_implementation=model_mod._register_varlen())
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     rs = _rollouts(3)
     (mb,) = pack(rs, max_tokens=1000)
@@ -385,7 +385,7 @@ def test_varlen_attention_plumbing_on_cpu(tmp_path, monkeypatch):
 def test_predict_peak_on_the_line_through_two_trials():
     """Trials of 2,048 and 4,096 tokens peaking at 20 and 24 GiB (gradients + 2 GiB per 1,024 tokens
     of activations) put 16,384 tokens at 24 + 4 * 12 / 2 = 48 GiB; a flat line stays flat."""
-    from minirl.trainer import predict_peak
+    from minirl.memory import predict_peak
     G = 2**30
     assert predict_peak(2048, 20 * G, 4096, 24 * G, 16384) == 48 * G
     assert predict_peak(1024, 5 * G, 2048, 5 * G, 16384) == 5 * G
@@ -394,21 +394,23 @@ def test_predict_peak_on_the_line_through_two_trials():
 def test_training_that_would_not_fit_beside_the_sleeping_engine_recomputes_or_is_refused(tiny_model, monkeypatch):
     """WeightManager's check when the engine first sleeps (its device calls stood in for): 60 GiB
     free of 140, headroom max(2 GiB, 10%) = 14 GiB, so a step needing 46 GiB fits and 47 does not."""
-    from minirl.colocated import _fit_beside_sleeping_engine
+    from minirl.memory import MemoryPlan, beside_sleeping_engine
     from minirl.trainer import Trainer, TrainerConfig
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (60 * gib, 140 * gib))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "a 140 GiB GPU")
+    fit = lambda tr, need: tr.apply(beside_sleeping_engine(tr, MemoryPlan(peak_bytes=need, held_bytes=0, user_set=(
+        ("recomputed_layers",) if tr.config.activation_checkpointing is not None else ()))))
     auto = Trainer(tiny_model, TrainerConfig(lr=1e-3))
-    _fit_beside_sleeping_engine(auto, 46 * gib)
+    fit(auto, 46 * gib)
     assert not auto.model.is_gradient_checkpointing
-    _fit_beside_sleeping_engine(auto, 47 * gib)
+    fit(auto, 47 * gib)
     assert auto.model.is_gradient_checkpointing                      # left to minirl: recomputation on
     chosen = Trainer(tiny_model, TrainerConfig(lr=1e-3, activation_checkpointing=False))
     with pytest.raises(MemoryError, match=r"needs 47.0 GiB beside the weights and 14.0 GiB of headroom; "
                                           r"60.0 GiB is free .* Levers: activation_checkpointing=True"):
-        _fit_beside_sleeping_engine(chosen, 47 * gib)
+        fit(chosen, 47 * gib)
     assert not chosen.model.is_gradient_checkpointing
 
 
@@ -424,9 +426,10 @@ def test_a_micro_batch_that_does_not_fit_is_halved_before_recomputation(tiny_mod
     tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, micro_batch_tokens=16384))
     ckpt = lambda: bool(getattr(tr.model, "is_gradient_checkpointing", False))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
-    monkeypatch.setattr(tr, "_trial_peak", lambda n: int(2 * gib + n * per_token_mib * 2**20 / (4 if ckpt() else 1)) + gib)
-    peak = tr.measure_peak(reserve=2 * gib)
-    assert (tr.config.micro_batch_tokens, ckpt()) == expect
+    monkeypatch.setattr(memory, "trial_peak", lambda _, n: int(2 * gib + n * per_token_mib * 2**20 / (4 if ckpt() else 1)) + gib)
+    plan = memory.measure_peak(tr, reserve=2 * gib)
+    peak = plan.peak_bytes
+    assert (plan.micro_batch_tokens, ckpt()) == expect
     n, on = expect
     assert peak == int(2 * gib + n * per_token_mib * 2**20 / (4 if on else 1)) + gib <= 10 * gib
 
@@ -445,17 +448,17 @@ def test_a_planned_micro_batch_is_the_largest_that_fits(tiny_model, monkeypatch,
     from minirl.trainer import Trainer, TrainerConfig
     gib, seen = 2**30, []
     tr = Trainer(tiny_model, TrainerConfig(lr=1e-3))
-    assert tr.planned_tokens and tr.config.micro_batch_tokens == 16384      # what runs where no plan does
+    assert tr.config.micro_batch_tokens is None and tr.micro_batch_tokens == 16384   # what runs where no plan does
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
     peak = lambda n: int(2 * gib + n * per_token_mib * 2**20 + (bump_gib * gib if n == 32768 else 0))
-    monkeypatch.setattr(tr, "_trial_peak", lambda n: seen.append(n) or peak(n) + gib)
-    with caplog.at_level(logging.INFO, logger="minirl.trainer"):
-        got = tr.measure_peak(reserve=2 * gib)
+    monkeypatch.setattr(memory, "trial_peak", lambda _, n: seen.append(n) or peak(n) + gib)
+    with caplog.at_level(logging.INFO, logger="minirl.memory"):
+        plan = memory.measure_peak(tr, reserve=2 * gib)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert f"{chosen}-token micro-batches" in caplog.text
-    assert (tr.config.micro_batch_tokens, tr.recomputed_layers, seen) == (chosen, 0, tried)
-    assert got == peak(chosen) + gib <= 10 * gib
-    assert tr.memory_plan["micro_batch_tokens"] == chosen
+    assert f"{chosen}-token micro-batches" in str(plan)
+    assert (plan.micro_batch_tokens, tr.recomputed_layers, seen) == (chosen, 0, tried)
+    assert plan.peak_bytes == peak(chosen) + gib <= 10 * gib
+    assert plan.micro_batch_tokens == chosen
 
 
 @pytest.mark.parametrize("per_token_mib, ratio, chosen, low, tried", [
@@ -471,22 +474,49 @@ def test_a_planned_micro_batch_tries_the_low_memory_budget_before_shorter_rows(
     fit: 8,192 tokens at 1 (8.6 GiB, a small trial), the budget back at 1. At 0.25 MiB 32,768
     tokens at the low budget (7.4 GiB) come before 16,384 at 1. At 1.2 MiB only 8,192 tokens at the
     low budget fit (8.4 GiB). The budget changes recompile (torch.compiler.reset)."""
-    from minirl.trainer import LOW_MEMORY_BUDGET, Trainer, TrainerConfig
+    from minirl.memory import LOW_MEMORY_BUDGET
+    from minirl.trainer import Trainer, TrainerConfig
     gib, seen, resets = 2**30, [], []
     tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, compile=True))
     assert tr.memory_budget == 1.0
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
     monkeypatch.setattr(torch.compiler, "reset", lambda: resets.append(tr.memory_budget))
     act = lambda n: n * per_token_mib * 2**20 * (ratio if tr.memory_budget < 1 else 1)
-    monkeypatch.setattr(tr, "_trial_peak", lambda n: seen.append((n, tr.memory_budget)) or int(2 * gib + act(n)) + gib)
-    got = tr.measure_peak(reserve=2 * gib)
+    monkeypatch.setattr(memory, "trial_peak", lambda _, n: seen.append((n, tr.memory_budget)) or int(2 * gib + act(n)) + gib)
+    plan = memory.measure_peak(tr, reserve=2 * gib)
+    got = plan.peak_bytes
     budget = LOW_MEMORY_BUDGET if low else 1.0
-    assert (tr.config.micro_batch_tokens, tr.memory_budget, tr.recomputed_layers) == (chosen, budget, 0)
+    assert (plan.micro_batch_tokens, tr.memory_budget, tr.recomputed_layers) == (chosen, budget, 0)
     assert [n for n, _ in seen] == tried and seen[-1][1] == LOW_MEMORY_BUDGET     # the last trial at the low one
     assert resets == ([LOW_MEMORY_BUDGET] if low else [LOW_MEMORY_BUDGET, 1.0])
     assert got == int(2 * gib + act(chosen)) + gib <= 10 * gib
-    assert tr.memory_plan["activation_memory_budget"] == budget
+    assert plan.activation_memory_budget == budget
 
+
+@pytest.mark.parametrize("kw, tokens, user_set", [
+    ({}, 8192, ()), (dict(micro_batch_tokens=16384), 8192, ()),
+    (dict(micro_batch_tokens=4096, activation_checkpointing=False), 4096, ("micro_batch_tokens", "recomputed_layers"))])
+def test_a_plan_leaves_the_config_as_given_and_names_what_was_set(tiny_model, monkeypatch, kw, tokens, user_set):
+    """The plan reaches the trainer through apply(); the user's TrainerConfig is the same object,
+    unchanged. Stood-in trials of 2 GiB + 0.5 MiB a token, AdamW 1 GiB, 10 GiB usable: left to it,
+    8,192 tokens fit (7 GiB), 16,384 (11) do not; a 16,384 the user set is halved (so planned); a
+    4,096 set with activation_checkpointing=False is kept and named as set. On CPU nothing is
+    measured, the trainer's settings given are named as set too, and the engine's are not (CUDA's)."""
+    from minirl.colocated import WeightManagerConfig
+    from minirl.trainer import Trainer, TrainerConfig
+    gib, cfg = 2**30, TrainerConfig(lr=1e-3, **kw)
+    tr = Trainer(tiny_model, cfg)
+    cpu = memory.plan(tr, {}, WeightManagerConfig(trainer=cfg, sleep_level=0))
+    assert cpu.micro_batch_tokens == kw.get("micro_batch_tokens", 16384) and cpu.peak_bytes is None
+    assert cpu.user_set == tuple(k for k in ("micro_batch_tokens", "recomputed_layers") if k in kw or
+                                 k == "recomputed_layers" and "activation_checkpointing" in kw)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
+    monkeypatch.setattr(memory, "trial_peak", lambda _, n: int(2 * gib + n * 2**19) + gib)
+    plan = memory.measure_peak(tr, reserve=2 * gib)
+    tr.apply(plan)
+    assert tr.config is cfg and cfg == TrainerConfig(lr=1e-3, **kw)
+    assert (plan.micro_batch_tokens, tr.micro_batch_tokens, plan.user_set) == (tokens, tokens, user_set)
+    assert ("micro-batches (set)" in str(plan)) == bool(user_set)
 
 def test_a_set_memory_budget_is_kept_and_checked(tiny_model, monkeypatch):
     """A budget the user set is the one every trial runs at (no low one is tried: 8,192 tokens at
@@ -495,9 +525,9 @@ def test_a_set_memory_budget_is_kept_and_checked(tiny_model, monkeypatch):
     gib, seen = 2**30, []
     tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, compile=True, activation_memory_budget=0.9))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
-    monkeypatch.setattr(tr, "_trial_peak", lambda n: seen.append(tr.memory_budget) or int(2 * gib + n * 0.75 * 2**20) + gib)
-    tr.measure_peak(reserve=2 * gib)
-    assert (tr.config.micro_batch_tokens, tr.memory_budget, set(seen)) == (8192, 0.9, {0.9})
+    monkeypatch.setattr(memory, "trial_peak", lambda _, n: seen.append(tr.memory_budget) or int(2 * gib + n * 0.75 * 2**20) + gib)
+    plan = memory.measure_peak(tr, reserve=2 * gib)
+    assert (plan.micro_batch_tokens, tr.memory_budget, set(seen)) == (8192, 0.9, {0.9})
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match=r"activation_memory_budget must be in \(0, 1\]"):
             Trainer(tiny_model, TrainerConfig(compile=True, activation_memory_budget=bad))
@@ -531,7 +561,7 @@ def test_the_memory_budget_reaches_the_compiled_layers(tiny_model):
         return sum(storages.values()), grads
 
     full, g_full = saved_bytes_and_grads()
-    tr._use_memory_budget(0.3)
+    tr.use_memory_budget(0.3)
     low, g_low = saved_bytes_and_grads()
     assert low < 0.8 * full
     for a, b in zip(g_full, g_low):
@@ -546,9 +576,9 @@ def test_a_planned_micro_batch_stays_under_largest(tiny_model, monkeypatch):
     gib, seen = 2**30, []
     tr = Trainer(tiny_model, TrainerConfig(lr=1e-3))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
-    monkeypatch.setattr(tr, "_trial_peak", lambda n: seen.append(n) or int(2 * gib + n * 2**17) + gib)
-    tr.measure_peak(reserve=2 * gib, largest=16384)
-    assert (tr.config.micro_batch_tokens, seen) == (16384, [2048, 4096, 16384])
+    monkeypatch.setattr(memory, "trial_peak", lambda _, n: seen.append(n) or int(2 * gib + n * 2**17) + gib)
+    plan = memory.measure_peak(tr, reserve=2 * gib, largest=16384)
+    assert (plan.micro_batch_tokens, seen) == (16384, [2048, 4096, 16384])
 
 
 def test_a_planned_micro_batch_that_never_fits_recomputes_at_16384(tmp_path, monkeypatch):
@@ -561,9 +591,9 @@ def test_a_planned_micro_batch_that_never_fits_recomputes_at_16384(tmp_path, mon
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
     peak = lambda n, k: 2 * gib + n * 2**20 * (1 - 0.75 * k / 8)
     tried = []
-    monkeypatch.setattr(tr, "_trial_peak", lambda n: tried.append((n, tr.recomputed_layers)) or int(peak(n, tr.recomputed_layers)) + gib)
-    tr.measure_peak(reserve=2 * gib)
-    assert (tr.config.micro_batch_tokens, tr.recomputed_layers) == (16384, 6)
+    monkeypatch.setattr(memory, "trial_peak", lambda _, n: tried.append((n, tr.recomputed_layers)) or int(peak(n, tr.recomputed_layers)) + gib)
+    plan = memory.measure_peak(tr, reserve=2 * gib)
+    assert (plan.micro_batch_tokens, tr.recomputed_layers) == (16384, 6)
     assert tried == [(4096, 0), (8192, 0), (16384, 8), (16384, 6)]
 
 
@@ -582,9 +612,10 @@ def test_the_fewest_layers_that_fit_are_recomputed(tmp_path, monkeypatch, bump_g
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
     peak = lambda n, k: 2 * gib + n * 2**20 * (1 - 0.75 * k / 8) + (bump_gib * gib if 0 < k < 8 else 0)
     tried = []
-    monkeypatch.setattr(tr, "_trial_peak", lambda n: tried.append((n, tr.recomputed_layers)) or int(peak(n, tr.recomputed_layers)) + gib)
-    got = tr.measure_peak(reserve=2 * gib)
-    assert (tr.config.micro_batch_tokens, tr.recomputed_layers) == (16384, layers)
+    monkeypatch.setattr(memory, "trial_peak", lambda _, n: tried.append((n, tr.recomputed_layers)) or int(peak(n, tr.recomputed_layers)) + gib)
+    plan = memory.measure_peak(tr, reserve=2 * gib)
+    got = plan.peak_bytes
+    assert (plan.micro_batch_tokens, tr.recomputed_layers) == (16384, layers)
     assert got == int(peak(16384, layers)) + gib <= 10 * gib
     assert tried == [(2048, 0), (4096, 0), (16384, 8), *[(16384, k) for k in range(6, layers + 1)]]
 
@@ -602,12 +633,13 @@ def test_a_full_trial_over_its_prediction_recomputes_the_fewest_layers_not_all(t
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
     peak = lambda n, k: 2 * gib + n * 0.4 * 2**20 * (1 - 0.75 * k / 8) + (3 * gib if (n, k) == (16384, 0) else 0)
     tried = []
-    monkeypatch.setattr(tr, "_trial_peak", lambda n: tried.append((n, tr.recomputed_layers)) or int(peak(n, tr.recomputed_layers)) + gib)
-    got = tr.measure_peak(reserve=2 * gib)
-    assert (tr.config.micro_batch_tokens, tr.recomputed_layers) == (16384, 3)
+    monkeypatch.setattr(memory, "trial_peak", lambda _, n: tried.append((n, tr.recomputed_layers)) or int(peak(n, tr.recomputed_layers)) + gib)
+    plan = memory.measure_peak(tr, reserve=2 * gib)
+    got = plan.peak_bytes
+    assert (plan.micro_batch_tokens, tr.recomputed_layers) == (16384, 3)
     assert got == int(peak(16384, 3)) + gib <= 10 * gib
     assert tried == [(2048, 0), (4096, 0), (16384, 0), (16384, 8), (16384, 3)]
-    assert tr.memory_plan["recomputed_layers"] == 3 and [t[:2] for t in tr.memory_plan["trials"]] == [list(t) for t in tried]
+    assert plan.recomputed_layers == 3 and [list(t[:2]) for t in plan.trials] == [list(t) for t in tried]
 
 
 def test_a_partial_trial_out_of_memory_halves_the_range(tmp_path, monkeypatch):
@@ -621,9 +653,9 @@ def test_a_partial_trial_out_of_memory_halves_the_range(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
     peak = lambda n, k: None if (n == 16384 and k < 6) else int(2 * gib + n * 0.4 * 2**20 * (1 - 0.75 * k / 8))
     tried = []
-    monkeypatch.setattr(tr, "_trial_peak", lambda n: tried.append((n, tr.recomputed_layers)) or (
+    monkeypatch.setattr(memory, "trial_peak", lambda _, n: tried.append((n, tr.recomputed_layers)) or (
         None if peak(n, tr.recomputed_layers) is None else peak(n, tr.recomputed_layers) + gib))
-    tr.measure_peak(reserve=2 * gib)
+    memory.measure_peak(tr, reserve=2 * gib)
     assert tried == [(2048, 0), (4096, 0), (16384, 0), (16384, 8), (16384, 4), (16384, 6)]
     assert tr.recomputed_layers == 6
 
@@ -640,13 +672,13 @@ def test_a_memory_trial_accumulates_into_existing_gradients(tiny_model, monkeypa
     for name in ("empty_cache", "reset_peak_memory_stats"):
         monkeypatch.setattr(torch.cuda, name, lambda *a: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 123)
-    assert tr._trial_peak(64) == 123
+    assert memory.trial_peak(tr, 64) == 123
     assert len(seen) == 1 and all(seen[0]) and len(seen[0]) > 0
     assert all(p.grad is None for p in tr.model.parameters())
 
 MEMORY_RANKS = """
-import json, torch, torch.distributed as dist
-from minirl.colocated import _fit_beside_sleeping_engine
+import dataclasses, json, torch, torch.distributed as dist
+from minirl import memory
 from minirl.trainer import Trainer, TrainerConfig
 gib = 2**30
 tr = Trainer({model!r}, TrainerConfig(lr=1e-3, micro_batch_tokens=16384))
@@ -655,10 +687,11 @@ ckpt = lambda: bool(getattr(tr.model, "is_gradient_checkpointing", False))
 per_token = 0.25 if rank == 0 else 0.5                 # MiB: rank 1's trials peak higher
 torch.cuda.mem_get_info = lambda dev=None: ((60 if rank == 0 else 50) * gib, 140 * gib)
 torch.cuda.empty_cache = lambda: None
-tr._trial_peak = lambda n: int(2 * gib + n * per_token * 2**20 / (4 if ckpt() else 1)) + gib
-peak = tr.measure_peak(reserve=130 * gib)             # 10 GiB usable
-_fit_beside_sleeping_engine(tr, 40 * gib)              # + 14 GiB headroom: rank 0 fits in 60, rank 1 not in 50
-json.dump([tr.config.micro_batch_tokens, peak / gib, ckpt()], open({out!r} + f"/rank{{rank}}.json", "w"))
+memory.trial_peak = lambda _, n: int(2 * gib + n * per_token * 2**20 / (4 if ckpt() else 1)) + gib
+plan = memory.measure_peak(tr, reserve=130 * gib)     # 10 GiB usable
+peak = plan.peak_bytes                                 # + 14 GiB headroom: rank 0 fits in 60, rank 1 not in 50
+tr.apply(memory.beside_sleeping_engine(tr, dataclasses.replace(plan, peak_bytes=40 * gib, held_bytes=0)))
+json.dump([plan.micro_batch_tokens, peak / gib, ckpt()], open({out!r} + f"/rank{{rank}}.json", "w"))
 dist.barrier()
 tr.close()
 """

@@ -7,7 +7,6 @@ GPU machine: `python -m pytest tests/gpu -q` (MINIRL_RESULTS_DIR=$OUT also write
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -22,7 +21,7 @@ pytestmark = [pytest.mark.gpu,
 
 def _run(trainer, rollouts, budget):
     from minirl import ppo_loss_fn
-    trainer.config = dataclasses.replace(trainer.config, micro_batch_tokens=budget)
+    trainer.micro_batch_tokens = budget
     out = trainer.forward_backward(rollouts, ppo_loss_fn(entropy=False))
     grads = {n: p.grad.full_tensor().float().clone() for n, p in trainer.model.named_parameters()}
     trainer.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,479 @@
+"""The co-located backend's memory plan: how one rank's trainer and vLLM engine share its device.
+
+    plan = memory.plan(trainer, llm_kwargs, WeightManagerConfig())   # measures on CUDA: a MemoryPlan
+    trainer.apply(plan); print(plan)      # WeightManager does both at start: wm.memory_plan, logged
+
+Applied once: the trainer's part by Trainer.apply, the engine's as vllm.LLM kwargs, AdamW's place
+by the WeightManager. The user's configs are never rewritten: what the user set is kept (named in
+plan.user_set), the rest planned. Decisions on measurements are the largest over the ranks
+(agreed_max): their collectives stay in step. In order (CUDA; on CPU nothing is measured):
+1. Before loading (check_before_loading): the trainer's weights, gradients, AdamW state and
+   reference and the engine with two max_model_len sequences of KV cache must fit; else
+   MemoryError naming the levers.
+2. Sleep level 2 (asleep while the trainer trains) unless set; set, with the engine sized by the
+   user (gpu_memory_utilization, kv_cache_memory_bytes): nothing is measured.
+3. The training step (measure_peak): trial steps of random tokens against the device less what a
+   sleeping engine keeps (ENGINE_ASLEEP) and _headroom. activation_checkpointing set: one trial.
+   Else trials of 1/8 and 1/4 of a micro-batch draw the line of peak against tokens. Size left too:
+   from the largest PLANNED_TOKENS down (16,384 at most beside a resident engine), a trial where
+   the line fits at budget 1 (or the one set), then (compiled, budget left) at LOW_MEMORY_BUDGET
+   where _BUDGET_BOUND of its activations fit; the first that fits wins; none: 16,384 tokens and
+   the fewest layers. Size set: halved (a warning) when the line says only half fits (the one case
+   a value the user set changes); a trial where it fits, else the fewest layers: a trial recomputing
+   every layer, then the count on the line between the nearest trials that fit and do not (out of
+   memory: the range halves), four trials at most.
+4. AdamW's state to the host while generating (offload_optimizer left) where the engine sleeps, the
+   KV cache wanted (kv_cache_gib, else max_num_seqs x max_model_len) would leave less than the
+   headroom free beside the trainer, and the host has 1.5x the state + 4 GiB.
+5. KV cache: the wanted size, cut to what is free beside the trainer's weights and state (asleep,
+   less max(2 GiB, 3%)) or its step's peak (resident, less the headroom); under two max_model_len
+   sequences: MemoryError. Left alone when the user sized the engine.
+6. When the engine first sleeps (beside_sleeping_engine): the step must fit beside it with the
+   headroom; else every layer recomputes (a revised plan, applied again) or, set, MemoryError.
+Hardware: CPU or CUDA GPUs; trials run on CUDA only (the tests stand in for the device).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+
+from minirl import vllm_compat as vc
+from minirl.model import recompute_layers
+from minirl.trainer import Trainer, TrainerConfig, memory_levers
+
+GIB = 1 << 30
+log = logging.getLogger(__name__)
+
+PLANNED_TOKENS = (32768, 16384, 8192)
+"""The micro-batch sizes a plan chooses from, largest first. Larger micro-batches train faster
+where they fit (fewer FSDP2 gathers and launches, larger matmuls): Qwen3-0.6B's training phase of
+512 x 1,088 tokens took 5.56 s at 32,768 against 6.25 s at 16,384 on an H200
+(benchmarks/train_phase.py, benchmarks/results/2026-12-04)."""
+
+LOW_MEMORY_BUDGET = 0.6
+"""The activation memory budget a plan tries when a micro-batch does not fit at 1. Qwen3-4B's
+training phase of 512 x 320 tokens on an H200 (benchmarks/results/2026-12-04-b): 8,192-token
+micro-batches at budget 1 took 8.57 s and peaked at 99.5 GiB; 16,384 tokens at 0.8 took 8.15 s at
+116.4 GiB, at 0.6 8.34 s at 106.2 GiB (at 1 they would need ~142 GiB)."""
+
+_BUDGET_BOUND = 0.5
+"""A trial at LOW_MEMORY_BUDGET runs only where the line's activations at budget 1, scaled by this,
+would fit: 0.55 of them remained at 0.6 in the measurement above."""
+
+ENGINE_ASLEEP = 6 * GIB
+"""What a sleeping engine keeps on the device (CUDA graphs, compiled and sampler buffers):
+measured 6.0 GiB at the Qwen3-4B shape with 512 sequences on an H200."""
+
+HOST_RESERVE = 8 * GIB
+"""Host memory a training process holds besides offloaded state (an 8B offload cell whose state
+estimate left less than this was killed by the host running out of memory)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryPlan:
+    """What plan() decided for one rank (the defaults: nothing measured). Settings: the first five
+    fields and offload_optimizer (recomputed_layers: TrainerConfig's activation_checkpointing; a
+    kv_cache_bytes of None: the engine's default or the user's size); user_set names those the user
+    set, kept as given, the others were planned. engine_kwargs: what goes to vllm.LLM. Measured: a
+    training step's peak (weights, gradients and AdamW's state included), what the trainer holds
+    between steps, the trials' limit, and each trial (tokens, layers recomputed, GiB or None: out
+    of memory, budget)."""
+
+    micro_batch_tokens: int = 16384
+    recomputed_layers: int = 0
+    activation_memory_budget: float = 1.0
+    sleep_level: int = 0
+    kv_cache_bytes: int | None = None
+    offload_optimizer: bool = False
+    user_set: tuple[str, ...] = ()
+    engine_kwargs: dict = field(default_factory=dict)
+    peak_bytes: int | None = None
+    held_bytes: int | None = None
+    usable_bytes: float | None = None
+    trials: tuple[tuple, ...] = ()
+
+    def __str__(self) -> str:
+        set_ = lambda name: " (set)" if name in self.user_set else ""
+        gib = lambda b: "-" if b is None else f"{b / GIB:.1f}"
+        return (f"memory plan: {self.micro_batch_tokens}-token micro-batches{set_('micro_batch_tokens')}, "
+                f"{self.recomputed_layers} decoder layers recomputed{set_('recomputed_layers')}, activation memory "
+                f"budget {self.activation_memory_budget:g}{set_('activation_memory_budget')}, peak "
+                f"{gib(self.peak_bytes)} GiB of {gib(self.usable_bytes)}; engine sleep level {self.sleep_level}"
+                f"{set_('sleep_level')}, KV cache {gib(self.kv_cache_bytes)} GiB{set_('kv_cache_bytes')}, AdamW's "
+                f"state on the {'host' if self.offload_optimizer else 'device'} while generating"
+                f"{set_('offload_optimizer')}; trials [tokens, layers recomputed, GiB, budget]: "
+                f"{[list(t) for t in self.trials]}")
+
+
+def plan(trainer: Trainer, kw: dict, cfg) -> MemoryPlan:
+    """The plan for this rank (cfg: a colocated.WeightManagerConfig, kw: the user's vllm.LLM kwargs),
+    logged; MemoryError naming what was needed, what there was, and the levers, when nothing fits.
+    The engine's settings are CUDA's: on CPU the engine never sleeps and none of them is set."""
+    p = _plan(trainer, kw, cfg)
+    p = p if trainer.device.type != "cuda" else replace(p, user_set=p.user_set + tuple(k for k, v in [
+        ("sleep_level", cfg.sleep_level), ("offload_optimizer", cfg.offload_optimizer), ("kv_cache_bytes",
+         cfg.kv_cache_gib or kw.get("kv_cache_memory_bytes") or kw.get("gpu_memory_utilization"))] if v is not None))
+    log.info("%s", p)
+    return p
+
+
+def _plan(trainer: Trainer, kw: dict, cfg) -> MemoryPlan:
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    if trainer.device.type != "cuda":
+        import psutil
+        need = n_params * 20 / trainer.rank.world_size + kw.get("kv_cache_memory_bytes", vc.DEFAULT_CPU_KV_CACHE_BYTES)
+        if need > (avail := psutil.virtual_memory().available):
+            raise MemoryError(f"the model does not fit in RAM: training + engine need ~{need / GIB:.1f} GiB, "
+                              f"{avail / GIB:.1f} GiB is available. Use a smaller model or more machines.")
+        if cfg.offload_optimizer:
+            raise ValueError("offload_optimizer=True on CPU: the state is in host memory already; drop it")
+        return _as_loaded(trainer)
+    user_sized = "gpu_memory_utilization" in kw or "kv_cache_memory_bytes" in kw
+    level = 2 if cfg.sleep_level is None else cfg.sleep_level
+    if cfg.offload_optimizer and level == 0:
+        raise ValueError("offload_optimizer=True with sleep_level=0: a resident engine keeps its KV cache "
+                         "while the trainer steps, so AdamW's state has to stay; drop one of them")
+    if cfg.sleep_level is not None and user_sized:
+        return replace(_as_loaded(trainer), sleep_level=level, offload_optimizer=bool(cfg.offload_optimizer))
+    headroom = _headroom(torch.cuda.mem_get_info(trainer.device)[1])
+    # a resident engine's KV cache has to fit beside the step's peak, so a planned micro-batch stays
+    # at most 16,384 tokens there (the cache before the rows)
+    fit = measure_peak(trainer, reserve=ENGINE_ASLEEP + headroom, largest=PLANNED_TOKENS[1] if level == 0 else None)
+    fit = replace(fit, sleep_level=level, held_bytes=torch.cuda.memory_allocated(trainer.device))   # no gradients
+    return _engine_fit(trainer, n_params, fit, kw, cfg, headroom, user_sized)
+
+
+def _as_loaded(trainer: Trainer, n: int | None = None) -> MemoryPlan:
+    """The trainer's settings as they are (with n-token micro-batches), and those the user set."""
+    tc, n = trainer.config, n or trainer.micro_batch_tokens
+    return MemoryPlan(micro_batch_tokens=n, recomputed_layers=trainer.recomputed_layers,
+                      activation_memory_budget=trainer.memory_budget, user_set=tuple(k for k, v in [
+                          ("micro_batch_tokens", n == tc.micro_batch_tokens or None),   # halved: planned
+                          ("recomputed_layers", tc.activation_checkpointing),
+                          ("activation_memory_budget", tc.activation_memory_budget)] if v is not None))
+
+
+def _engine(n_params: int, mc, dsize: int) -> tuple[float, int]:
+    """(bytes of the engine but its KV cache: weights, activations, graphs, sampler; KV bytes a token)."""
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    return n_params * dsize * 1.05 + 4 * GIB, 2 * mc.num_hidden_layers * mc.num_key_value_heads * head_dim * dsize
+
+
+def _engine_fit(trainer: Trainer, n_params: int, fit: MemoryPlan, kw: dict, cfg, headroom: float,
+                user_sized: bool) -> MemoryPlan:
+    """Steps 4 and 5 of the table: AdamW's place, the KV cache and the engine kwargs."""
+    free, total = torch.cuda.mem_get_info(trainer.device)
+    mc = trainer.model.config
+    engine, per_token = _engine(n_params, mc, torch.finfo(trainer.compute_dtype).bits // 8)
+    max_len = kw.get("max_model_len") or mc.max_position_embeddings
+    want = cfg.kv_cache_gib * GIB if cfg.kv_cache_gib is not None else kw.get("max_num_seqs", 256) * max_len * per_token
+    state, offload = trainer.optimizer_state_bytes, bool(cfg.offload_optimizer)
+    if cfg.offload_optimizer is None and not user_sized:   # the KV cache wanted would leave too little free
+        import psutil
+        host = psutil.virtual_memory().available / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        offload = (fit.sleep_level == 2 and state > 0 and want > free - headroom - engine
+                   and host > 1.5 * state + 4 * GIB)
+        offload = bool(agreed_max(trainer, [int(offload)])[0])     # every rank decides alike
+    fit, free = replace(fit, offload_optimizer=offload), free + offload * state
+    if user_sized:
+        return fit
+    kv = min(want, free - headroom - (fit.peak_bytes - fit.held_bytes) - engine if fit.sleep_level == 0
+             else free - max(2 * GIB, 0.03 * total) - engine)   # resident: beside the peak, asleep: the weights
+    if kv < 2 * max_len * per_token:
+        lever = ("sleep_level=2 (or leave it unset), " if fit.sleep_level == 0 else
+                 "" if offload else "offload_optimizer=True (AdamW's state on the host while generating), ")
+        raise MemoryError(
+            f"trainer and engine do not fit on {torch.cuda.get_device_name(trainer.device)}: training "
+            f"{n_params / 1e9:.2f}B parameters over {trainer.rank.world_size} GPU(s) peaks at "
+            f"{fit.peak_bytes / GIB:.1f} GiB and keeps {(fit.held_bytes - offload * state) / GIB:.1f} GiB while "
+            f"generating; the engine needs {engine / GIB:.1f} GiB plus a KV cache of at least "
+            f"{2 * max_len * per_token / GIB:.2f} GiB (two {max_len}-token sequences), and {free / GIB:.1f} of "
+            f"{total / GIB:.1f} GiB is free. Levers: {lever}a smaller micro_batch_tokens or "
+            "activation_checkpointing=True, a shorter max_model_len, more GPUs, or a smaller model.")
+    return replace(fit, kv_cache_bytes=int(kv), engine_kwargs={
+        "kv_cache_memory_bytes": int(kv), "gpu_memory_utilization": round((engine + kv) / total + 0.005, 4)})
+
+
+def _headroom(total: int) -> float:
+    """Room a planned training step leaves free, for the allocator's fragmentation between steps.
+    Measured at the Qwen3-4B shape (16k-token micro-batches, engine asleep, H200) when AdamW's
+    state was still created by the first step: the trial fit with 7 GiB to spare, the second step
+    ran out with 4.8 GiB reserved but unallocated (the state is allocated at load since)."""
+    return max(2 * GIB, 0.10 * total)
+
+
+def agreed_max(trainer: Trainer, values: list[int | None]) -> list[int | None]:
+    """Each value's largest over the ranks (None, e.g. an out-of-memory trial, wins)."""
+    if trainer.rank.world_size == 1:
+        return list(values)
+    big = 1 << 62
+    t = torch.tensor([big if v is None else int(v) for v in values], dtype=torch.int64, device=trainer.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [None if x >= big else x for x in t.tolist()]
+
+
+def predict_peak(n1: int, peak1: int, n2: int, peak2: int, n: int) -> float:
+    """The peak at n tokens on the line through two trials (gradients are the same at any size,
+    activations grow linearly in tokens)."""
+    return peak2 + (peak2 - peak1) / (n2 - n1) * (n - n2)
+
+
+# -- the training step (step 3 of the table) ----------------------------------------------------
+
+def measure_peak(trainer: Trainer, reserve: int = 0, largest: int | None = None) -> MemoryPlan:
+    """The training step's plan (micro_batch_tokens, recomputed layers, budget, peak, trials) by
+    trial steps on the trainer, against 95% of the device or all of it but `reserve` bytes, planned
+    sizes up to `largest`. Leaves the trainer's layers and budget as planned, and no gradients;
+    MemoryError when nothing fits."""
+    tc = trainer.config
+    total = torch.cuda.mem_get_info(trainer.device)[1]
+    trial = _Trials(trainer, total - reserve if reserve else total * 0.95)
+    n = PLANNED_TOKENS[1] if tc.micro_batch_tokens is None else tc.micro_batch_tokens
+    if tc.activation_checkpointing is not None:              # set: the layers as loaded
+        return trial.verdict(n, trial(n))
+    if tc.micro_batch_tokens is None:
+        n, peak, none = _largest_that_fits(trial, largest)
+        return trial.verdict(n, peak if peak is not None else _fewest_layers(trial, n, none))
+    n, none = _halved(trial, n) if n >= 64 else (n, None)    # the full micro-batch's peak, predicted
+    if n < 64 or (none is not None and none <= trial.limit):
+        peak = trial(n, 0)
+        if peak is not None and peak <= trial.limit:
+            return trial.verdict(n, peak)
+        none = peak                                          # measured (None: out of memory)
+    return trial.verdict(n, _fewest_layers(trial, n, none))
+
+
+class _Trials:
+    """One plan's trial steps on a trainer, each agreed over the ranks and recorded."""
+
+    def __init__(self, trainer: Trainer, limit: float):
+        self.trainer, self.limit, self.rows = trainer, limit, []
+
+    def __call__(self, tokens: int, layers: int | None = None, budget: float | None = None) -> int | None:
+        """The peak of a step of `tokens` with that many layers recomputing, at that budget (None: as
+        they are); None: out of memory."""
+        tr = self.trainer
+        if layers is not None:
+            recompute_layers(tr.model, layers)
+        if budget is not None:
+            tr.use_memory_budget(budget)
+        peak = agreed_max(tr, [trial_peak(tr, tokens)])[0]
+        self.rows.append((tokens, tr.recomputed_layers, None if peak is None else round(peak / GIB, 2),
+                          tr.memory_budget))
+        return peak
+
+    def line(self, n: int):
+        """Trials of n // 8 and n // 4 tokens, nothing recomputed: ({tokens: peak}, the line through
+        them: tokens -> peak, or None when one ran out of memory)."""
+        small = {m: self(m, 0) for m in (n // 8, n // 4)}
+        return small, None if None in small.values() else (
+            lambda m: predict_peak(n // 8, small[n // 8], n // 4, small[n // 4], m))
+
+    def verdict(self, n: int, peak: int | None) -> MemoryPlan:
+        """The training step's plan, or MemoryError naming the levers."""
+        tr, limit = self.trainer, self.limit
+        if peak is not None and peak <= limit:
+            return replace(_as_loaded(tr, n), peak_bytes=peak, usable_bytes=limit, trials=tuple(self.rows))
+        k = tr.recomputed_layers
+        need = "ran out of device memory" if peak is None else f"peaks at {peak / GIB:.1f} GiB"
+        raise MemoryError(f"one micro-batch of {n} tokens does not fit in training memory on "
+                          f"{torch.cuda.get_device_name(tr.device)} (activation checkpointing "
+                          f"{f'on, {k} layers' if k else 'off'}): its forward_backward {need} (weights, "
+                          f"gradients and AdamW's state included), and {limit / GIB:.1f} GiB is usable. Levers: "
+                          "a lower micro_batch_tokens, " + "; ".join([*memory_levers(tr),
+                                                                      "more GPUs, or a smaller model"]))
+
+
+def _largest_that_fits(trial: _Trials, largest: int | None) -> tuple[int, int | None, float | None]:
+    """(tokens, peak, None) of the largest PLANNED_TOKENS that fits without recomputation, none above
+    `largest`; else (16,384, None, its peak on the small trials' line, or None: out of memory)."""
+    sizes = [m for m in PLANNED_TOKENS if largest is None or m <= largest] or [PLANNED_TOKENS[-1]]
+    tr, n = trial.trainer, PLANNED_TOKENS[1]
+    small, line = trial.line(sizes[0])
+    if line is None:
+        return n, None, None
+    base, budget = line(0), tr.memory_budget                 # weights, gradients, AdamW: no activations
+    low = [LOW_MEMORY_BUDGET] if tr.compile and tr.config.activation_memory_budget is None \
+        and LOW_MEMORY_BUDGET < budget else []
+    for m in sizes:                        # the largest that fits, trials only where predicted to
+        for b in [budget, *low]:           # at the budget the line was drawn at, else the low one
+            guess = line(m) if b == budget else base + _BUDGET_BOUND * (line(m) - base)
+            if guess > trial.limit:
+                continue
+            tr.use_memory_budget(b)
+            peak = small[m] if m in small and b == budget else trial(m, 0)
+            if peak is not None and peak <= trial.limit:
+                return m, peak, None
+    tr.use_memory_budget(budget)
+    return n, None, line(n)
+
+
+def _halved(trial: _Trials, n: int) -> tuple[int, float | None]:
+    """(n, its peak on the small trials' line; None: out of memory), or (n // 2, its peak) when
+    only half of n would fit."""
+    _, line = trial.line(n)
+    if line is not None and line(n) > trial.limit and line(n // 2) <= trial.limit:   # nothing recomputed: faster
+        log.warning("micro_batch_tokens %d -> %d: a full micro-batch would not fit in training memory "
+                    "without recomputation (%.1f GiB usable); activation_checkpointing=True keeps %d",
+                    n, n // 2, trial.limit / GIB, n)
+        return n // 2, line(n // 2)
+    return n, None if line is None else line(n)
+
+
+def _fewest_layers(trial: _Trials, n: int, none: float | None) -> int | None:
+    """The fewest decoder layers recomputing that make n tokens fit (the peak falls by about the
+    same amount with each), left recomputing, and their peak (None: not even all of them);
+    `none`: the peak without recomputation (None: out of memory)."""
+    tr, limit = trial.trainer, trial.limit
+    hi, hi_peak = tr.num_layers, trial(n, tr.num_layers)     # the fewest layers known to fit
+    if hi_peak is None or hi_peak > limit:
+        return hi_peak
+    lo, lo_peak = 0, none                                    # the most known not to (None: out of memory)
+    for _ in range(4):
+        if hi - lo <= 1:
+            break
+        if lo_peak is None:
+            k = (lo + hi + 1) // 2
+        else:
+            k = lo + math.ceil((lo_peak - limit) / max((lo_peak - hi_peak) / (hi - lo), 1.0))
+            if k >= hi:
+                break
+            k = max(k, lo + 1)
+        peak = trial(n, k)
+        if peak is not None and peak <= limit:
+            hi, hi_peak = k, peak
+            break
+        lo, lo_peak = k, peak
+    if tr.recomputed_layers != hi:
+        recompute_layers(tr.model, hi)
+    return hi_peak
+
+
+def trial_peak(trainer: Trainer, n: int) -> int | None:
+    """Peak bytes allocated by one forward_backward over n random tokens (None: out of memory),
+    accumulating into gradients that already exist, as every micro-batch after a step's first
+    does (a first one's backward frees activations as it makes gradients: it peaks lower)."""
+    from minirl.data import Rollout
+    dev = trainer.device
+    ids = torch.randint(0, trainer.model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+    dummy = Rollout(prompt_ids=ids[:1].tolist(), completion_ids=ids[1:].tolist(), reward=0.0,
+                    sampling_logprobs=[0.0] * (n - 1), device=str(dev))
+    for p in trainer.model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    try:
+        trainer.forward_backward([dummy], lambda lp, mb, logits: (-lp, {}))
+        peak = torch.cuda.max_memory_allocated(dev)
+    except MemoryError:                        # forward_backward's out-of-memory error (resharded)
+        peak = None
+    trainer.optimizer.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    return peak
+
+
+# -- before loading, and once the engine sleeps (steps 1 and 6 of the table) ----------------------
+
+def check_before_loading(model: str, tc: TrainerConfig, max_model_len: int | None) -> None:
+    """Step 1 on this CUDA device (the host's memory shared by its LOCAL_WORLD_SIZE processes)."""
+    import psutil
+    check_fits(estimate_memory(model, tc, world=int(os.environ.get("WORLD_SIZE", 1)), max_model_len=max_model_len,
+                               trust_remote_code=tc.trust_remote_code), torch.cuda.mem_get_info()[1],
+               torch.cuda.get_device_name(),
+               host_available=psutil.virtual_memory().available / int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def estimate_memory(model: str, trainer: TrainerConfig, *, world: int = 1,
+                    max_model_len: int | None = None, trust_remote_code: bool = False) -> dict[str, float]:
+    """Bytes one GPU needs at least, by part, before anything is built (the model is read on the
+    meta device): the trainer's fp32 weights, gradients and AdamW moments (shards of `world`; 0 on
+    the device when cpu_offload; adapters only with LoRA), the reference policy (bf16 on CUDA), the
+    engine's bf16 weights + 4 GiB + a KV cache for two max_model_len-token sequences; no
+    activations. "needed" = what stays resident while generating + the larger of the gradients and
+    the engine (asleep while training). "host" = what offload keeps in host memory instead."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    mc = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(mc, trust_remote_code=trust_remote_code)
+    n = sum(p.numel() for p in meta.parameters())
+    lora = trainer.lora
+    trained = n if lora is None else sum(lora.rank * (m.in_features + m.out_features) for name, m in
+                                         meta.named_modules() if isinstance(m, torch.nn.Linear)
+                                         and name.rsplit(".", 1)[-1] in lora.target_modules)
+    on_device = 0 if trainer.cpu_offload else 1
+    separate_ref = trainer.reference and not (lora and not lora.also_train)
+    ref_on_device = separate_ref and not trainer.reference_offload
+    engine, per_token = _engine(n, mc, 2)
+    state = {"weights": 4 * (n if lora is None else n + trained) / world, "gradients": 4 * trained / world,
+             "optimizer": 8 * trained / world}                      # on the device, or on the host with offload
+    est = {k: v * on_device for k, v in state.items()} | {
+        "reference": 2 * n / world * ref_on_device,
+        "engine": engine + 2 * (max_model_len or mc.max_position_embeddings) * per_token,
+        "params": n, "trained_params": trained,
+        "host_reference": 2 * n / world * (separate_ref and trainer.reference_offload)}
+    est["host"] = sum(state.values()) * (1 - on_device) + est["host_reference"]
+    resident = est["weights"] + est["optimizer"] + est["reference"]
+    return est | {"needed": resident + max(est["gradients"], est["engine"])}
+
+
+def check_fits(est: dict[str, float], available: float, where: str, host_available: float | None = None) -> None:
+    """MemoryError when estimate_memory's `needed` exceeds `available` bytes (or its `host` part
+    exceeds `host_available`): what each part needs, what there is, and which levers (with what
+    they save) would make it fit."""
+    if host_available is not None and est.get("host", 0) and est["host"] + HOST_RESERVE > host_available:
+        raise MemoryError(
+            f"offload does not fit in host memory: it keeps {est['host'] / GIB:.1f} GiB there (fp32 weights, "
+            f"gradients and AdamW state; {est['host_reference'] / GIB:.1f} GiB of it the reference) beside the "
+            f"~{HOST_RESERVE / GIB:.0f} GiB the process itself holds (CUDA context, libraries, the engine's host side), "
+            f"{host_available / GIB:.1f} GiB is available. Levers: LoRA (TrainerConfig(lora=LoRAConfig()), "
+            "launch --lora-rank 16) keeps only the adapters' state; more GPUs on more hosts (the state is "
+            "sharded); the reference on the device (reference_offload=False); or a smaller model.")
+    if est["needed"] <= available:
+        return
+    g = {k: v / GIB for k, v in est.items() if k not in ("params", "trained_params")}
+    parts = ", ".join(f"{k} {g[k]:.1f}" for k in ("weights", "gradients", "optimizer", "reference",
+                                                   "engine"))
+    levers = []
+    if est["trained_params"] == est["params"]:
+        levers.append(f"LoRA (TrainerConfig(lora=LoRAConfig()), launch --lora-rank 16) saves ~"
+                      f"{(g['gradients'] + g['optimizer']) * 0.98:.1f} GiB")
+    if est["weights"] > 0:
+        levers.append(f"cpu_offload=True (--offload) saves {g['weights'] + g['optimizer']:.1f} GiB of "
+                      "weights and AdamW state (slower steps)")
+    if est["reference"] > 0:
+        levers.append(f"reference_offload=True (--reference-offload) or LoRA saves {g['reference']:.1f} GiB")
+    levers.append("more GPUs (every trainer part is sharded), a shorter max_model_len, or a smaller model")
+    raise MemoryError(f"this mode does not fit on {where}: it needs at least {g['needed']:.1f} GiB "
+                      f"({parts} GiB; activations come on top), {available / GIB:.1f} GiB is there. "
+                      f"Levers: {'; '.join(levers)}.")
+
+
+def beside_sleeping_engine(trainer: Trainer, plan: MemoryPlan) -> MemoryPlan:
+    """Step 6: the plan, or with every layer recomputing when its training step (its peak above
+    what the trainer holds) does not fit beside the sleeping engine with _headroom, as the rank
+    shortest of memory finds; MemoryError when recomputation was set by the user."""
+    if plan.peak_bytes is None or plan.held_bytes is None:
+        return plan
+    need = plan.peak_bytes - plan.held_bytes
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(trainer.device)
+    headroom = _headroom(total)
+    short = agreed_max(trainer, [int(need + headroom - free)])[0]    # every rank decides alike
+    if short <= 0 or plan.recomputed_layers == trainer.num_layers:
+        return plan
+    what = (f"a training step needs {need / GIB:.1f} GiB beside the weights and {headroom / GIB:.1f} GiB "
+            f"of headroom; {free / GIB:.1f} GiB is free beside the sleeping engine"
+            + (f" (another rank lacks {short / GIB:.1f} GiB)" if need + headroom <= free else ""))
+    if "recomputed_layers" in plan.user_set:
+        raise MemoryError(f"{what} on {torch.cuda.get_device_name(trainer.device)}. Levers: "
+                          "activation_checkpointing=True (or leave it unset), a smaller micro_batch_tokens, "
+                          "LoRA, more GPUs, or a smaller model.")
+    log.warning("%s: activation checkpointing on, every layer", what)   # once per run
+    return replace(plan, recomputed_layers=trainer.num_layers)
