@@ -84,12 +84,20 @@ class GeneratorPool:
         """Keep every ready generator's loop running until the queue is finished; rejoin(ready
         generators {worker_id: actor}) is called when the queue's actor restarted and awaits the server."""
         deadline = None if timeout_s is None else time.time() + timeout_s
+        failing = None                            # since when a rejoin has failed
         while not self.stopped:
             if not ray.is_initialized():          # the driver shut Ray down: never auto-start another
                 raise RuntimeError("rollout server: Ray was shut down while the pool ran")
             q = placement.call(self.queue.stats, timeout_s=self.timeout, what="rollout queue")
             if "server" in q["awaiting"] and rejoin is not None:
-                rejoin({w: g["actor"] for w, g in self.generators.items() if g["ready"]})
+                try:
+                    rejoin({w: g["actor"] for w, g in self.generators.items() if g["ready"]})
+                    failing = None
+                except ray.exceptions.RayError as e:
+                    failing = failing or time.time()    # the queue died again, or Ray lost an argument
+                    if time.time() - failing > self.timeout or not _transient(e):
+                        raise
+                    continue                            # made again on the next turn
             finished = q["finished"]
             for wid, g in list(self.generators.items()):
                 if not g["ready"] and ray.wait([g["info"]], timeout=0)[0]:
@@ -121,3 +129,9 @@ class GeneratorPool:
             if g is not None:
                 g["retry_at"] = time.time() + 1.0          # let the actor restart
 
+
+
+def _transient(error: Exception) -> bool:
+    """A fault of the call, not of its content: the actor died, or Ray could not read an argument."""
+    return isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.RaySystemError)) or isinstance(
+        getattr(error, "cause", None), ray.exceptions.RaySystemError)

@@ -244,3 +244,40 @@ def test_workers_versions_and_type_errors():
 
 def test_actor_class_is_cpu_free():
     assert RolloutQueueActor._default_options.get("num_cpus") == 0
+
+
+@ray.remote(num_cpus=0)
+class _AwaitingServer:
+    """A rebuilt queue as the pool sees it: awaiting the server until it rejoins, then finished."""
+
+    def __init__(self):
+        self.joined = False
+
+    def stats(self):
+        return {"awaiting": [] if self.joined else ["server"], "finished": self.joined}
+
+    def rejoin(self):
+        self.joined = True
+
+
+@pytest.mark.parametrize("fault, survives", [(ray.exceptions.RaySystemError("an argument was lost"), True),
+                                             (ValueError("duplicate prompt uid 3"), False)])
+def test_the_pool_makes_a_rejoin_that_ray_failed_again(fault, survives):
+    """A rejoin Ray failed (the queue died again, an argument it could not read) is made again on the
+    watch's next turn; a fault of the rejoin's content ends the watch with it."""
+    from actors.pool import GeneratorPool
+    q, calls = _AwaitingServer.remote(), []
+    pool = GeneratorPool("model", q, "q-rejoin", "minirl", {}, resources={"CPU": 1}, call_timeout_s=T)
+
+    def rejoin(generators):
+        calls.append(generators)
+        if len(calls) == 1:
+            raise fault
+        ray.get(q.rejoin.remote(), timeout=T)
+    if survives:
+        pool.watch(timeout_s=T, rejoin=rejoin)
+        assert len(calls) == 2 and ray.get(q.stats.remote(), timeout=T)["finished"]
+    else:
+        with pytest.raises(ValueError, match="duplicate"):
+            pool.watch(timeout_s=T, rejoin=rejoin)
+    ray.kill(q)
