@@ -29,7 +29,8 @@ class GeneratorPool:
         self.gen_kwargs, self.resources, self.seed, self._replicas = gen_kwargs, resources, seed, 0
         self.per_call, self.timeout, self.ready_timeout = prompts_per_call, call_timeout_s, ready_timeout_s
         self.generators: dict[str, dict] = {}   # worker_id -> {"actor", "pg", "ready", "run", ...}
-        self.stats = {"prompts": 0, "tokens": 0, "failures": 0, "stale_waits": 0,   # + the engines' loads
+        self.failure_causes: dict[str, int] = {}     # what runs that raised said, and how often
+        self.stats = {"prompts": 0, "tokens": 0, "failures": 0, "lost_runs": 0, "stale_waits": 0,   # + loads
                       "loads": 0, "load_s": 0.0, "loads_in_flight": 0, "busy_s": 0.0, "serve_s": 0.0}
         self.stopped = False                    # stop(): watch() returns
 
@@ -123,8 +124,11 @@ class GeneratorPool:
             for k, v in ray.get(ref).items():
                 self.stats[k] = self.stats.get(k, 0) + v
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-            self.stats["failures"] += 1
-            self.last_failure = repr(e)[:500]
+            lost = isinstance(e, ray.exceptions.RayActorError)      # its actor died or is restarting
+            self.stats["lost_runs" if lost else "failures"] += 1
+            if not lost:                                           # run() raised: what it said, counted
+                why = placement.cause(e)[:300]
+                self.failure_causes[why] = self.failure_causes.get(why, 0) + 1
             placement.call(self.queue.release_worker, wid, timeout_s=self.timeout, what="rollout queue")
             if g is not None:
                 g["retry_at"] = time.time() + 1.0          # let the actor restart

@@ -173,6 +173,7 @@ def soak(args) -> dict:
     out |= {"minutes": round((time.time() - started) / 60, 1), "prompts": submitted[0],
             "kills": dict(Counter(k["kind"] for k in kills)), "resumes": resumes}
     out["generator_failures"] = out.get("server", {}).get("failures")   # a generator's run() that raised
+    out["failure_causes"] = srv.pool.failure_causes                        # ... and what it said
     out["ok"] = out["error"] is None and out["generator_failures"] == 0 and all(
         out.get(k) for k in ("exactly_once", "versions_not_reused", "generators_on_final"))
     try:

@@ -485,7 +485,8 @@ def finish(worker, srv) -> None:
 def served(stats: dict) -> str:
     """The generation side's account of the run, on one line."""
     return (f"{stats.get('prompts', 0)} prompts, {stats.get('tokens', 0)} tokens generated, "
-            f"{stats.get('failures', 0)} failed, {stats.get('loads', 0)} weight loads")
+            f"{stats.get('failed', 0)} failed, {stats.get('loads', 0)} weight loads"
+            + (f", {stats['failures']} generator runs raised" if stats.get("failures") else ""))
 
 
 # ---- how a run starts and ends ------------------------------------------------------------------------

@@ -202,7 +202,7 @@ def test_killed_generator_restarts_with_current_weights(ray_local, tiny_model, c
     stats = srv.wait(timeout_s=120)
     assert sorted(out["uids"]) == list(range(40))                   # none lost, none twice
     assert max(out["stale"]) <= 1
-    assert stats["failures"] >= 1
+    assert stats["lost_runs"] >= 1 and stats["failures"] == 0      # lost with its actor; none raised
     deadline = time.time() + 180                # the restart may still be under way: wait for it
     while True:
         try:
