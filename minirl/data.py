@@ -137,6 +137,13 @@ def _check_reward(value, prompt, completion) -> float:
     return float(value)
 
 
+def check_per_prompt(n: int, **seqs: Sequence | None) -> None:
+    """ValueError unless each sequence given (metadata, uids...) has one entry per prompt."""
+    for name, seq in seqs.items():
+        if seq is not None and len(seq) != n:
+            raise ValueError(f"{len(seq)} {name} entries for {n} prompts: give one per prompt")
+
+
 def _group_by_prompt(outputs: list, group_size: int) -> list[list]:
     """[(output, completion)] groups: each n=group_size output alone, or n=1 outputs of the same prompt
     (in any order) in runs of group_size; a group never mixes prompts and never falls short."""
@@ -183,9 +190,7 @@ def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, 
                             f"{type(o).__name__} {o!r:.80}")
     groups = _group_by_prompt(outputs, group_size)
     pairs = [pair for group in groups for pair in group]      # decoded below in this order
-    for name, seq in (("metadata", metadata), ("uids", uids)):
-        if seq is not None and len(seq) != len(groups):
-            raise ValueError(f"{len(seq)} {name} entries for {len(groups)} prompts: give one per prompt")
+    check_per_prompt(len(groups), metadata=metadata, uids=uids)
     stamp = getattr(outputs[0], "minirl", {}) if outputs else {}
     version = stamp.get("policy_version", 0) if policy_version is None else int(policy_version)
     dev = stamp.get("device", "cpu") if device is None else str(device)

@@ -60,7 +60,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import torch
 
-from minirl.data import Rollout, RolloutBatch, _check_reward
+from minirl.data import Rollout, RolloutBatch, _check_reward, check_per_prompt
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -423,9 +423,7 @@ class EpisodeRunner:
             uids: Sequence | None = None, seed: int | None = None, device: str = "cpu") -> list[RolloutBatch]:
         """group_size episodes per prompt, all at once; one RolloutBatch per prompt, in order.
         seed: episode k's turns sample with seeds derived from seed + k (reproducible runs)."""
-        for name, seq in (("metadata", metadata), ("uids", uids)):
-            if seq is not None and len(seq) != len(prompts):
-                raise ValueError(f"{len(seq)} {name} entries for {len(prompts)} prompts: give one per prompt")
+        check_per_prompt(len(prompts), metadata=metadata, uids=uids)
         check = getattr(self.llm, "_minirl_check", None)
         if check is not None:
             check()                                    # e.g. WeightManager: the engine is awake
