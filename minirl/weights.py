@@ -172,10 +172,8 @@ def check_tolerance(tolerance) -> None:
 def check_sync(gap: float, stuck: bool, *, tolerance: float | None, engine_dtype: torch.dtype,
                where: str, version: int) -> None:
     """Raise SyncError when the engine's weights did not change although the trainer's did
-    (`stuck`), or the probe gap exceeds the tolerance (default 2e-3 for fp32 engines, else 0.1).
-    A correct bf16 sync's gap is rounding and grows with the model: 0.008 / 0.024 / 0.026 / 0.052 at
-    random-init Qwen3 0.6B / 1.7B / 4B / 8B shapes on an H200; an engine with noisy weights showed
-    0.56-2.2, and a load that changed nothing is caught by the checksums (`stuck`) whatever the gap."""
+    (`stuck`), or the probe gap exceeds the tolerance (default 2e-3 for fp32 engines, else 0.1: a
+    correct bf16 sync's rounding grows with the model, 0.008 at 0.6B to 0.052 at 8B)."""
     check_tolerance(tolerance)
     if tolerance is None:
         tolerance = 2e-3 if engine_dtype == torch.float32 else 0.1
