@@ -408,18 +408,7 @@ def approx_kl(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
     return masked_mean(kl_k3(old, new), mask)
 
 
-@torch.no_grad()
-def log_ratio_stats(train_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor,
-                    mask: torch.Tensor | None = None) -> dict[str, float]:
-    """Mismatch between trainer and sampler log-probs: mean/max |diff| and mean ratio."""
-    d = torch.sub(*_align(train_logprobs, sampling_logprobs))
-    m = torch.ones_like(d) if mask is None else mask.to(d)
-    return {"logprob_diff_mean": float(masked_mean(d.abs(), m)),
-            "logprob_diff_max": float((d.abs() * m).max()) if d.numel() else 0.0,
-            "ratio_mean": float(masked_mean(torch.exp(d), m))}
-
-
 __all__ = ["compute_advantages", "token_logprobs", "get_logprobs", "entropy_from_logits", "masked_mean",
            "aggregate", "AGGREGATIONS", "clipped_surrogate", "clipped_policy_loss", "ppo_loss_fn", "kl_k1",
            "kl_k2", "kl_k3", "truncated_importance_weights", "masked_importance_weights", "clip_fraction",
-           "approx_kl", "log_ratio_stats"]
+           "approx_kl"]

@@ -293,9 +293,3 @@ def abort_requests(llm: LLM, request_ids: list[str]) -> None:
 def max_model_len(llm: LLM) -> int:
     return int(llm.llm_engine.model_config.max_model_len)
 
-
-def lora_request(path: str, adapter_id: int):
-    """A request (`generate(..., lora_request=)`) for the PEFT adapter saved at `path`, on an engine
-    with enable_lora=True: an unseen adapter_id (>= 1) loads it from disk, the same id reuses it."""
-    from vllm.lora.request import LoRARequest
-    return LoRARequest(lora_name=f"adapter-{adapter_id}", lora_int_id=adapter_id, lora_path=str(path))
