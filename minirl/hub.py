@@ -35,6 +35,7 @@ actors/queue.py wraps a hub in an async Ray actor. Tests: `pytest tests/test_hub
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
@@ -93,7 +94,7 @@ class RolloutHub:
         self._failed: dict[Any, str] = {}                # uid -> why its request failed
         self.error: str | None = None                    # on_failure="stop": the failure that ends the run
         self._orphaned: list[tuple[int, int]] = []       # (lo, hi]: versions of a trainer that died
-        self._closed = self.trainer_done = self.done_seen = False   # trainer_done: it synced its last batch
+        self._closed = self.trainer_done = self.done_seen = False
         self._recycled_stale = self._duplicates = self._version = self._rolled_back = self._top_version = 0
         self._weights: Any = None
         self._workers: dict[str, Any] = {}
@@ -102,7 +103,7 @@ class RolloutHub:
         self.admission = admission              # False: the old rule (lease while fresh, recycle late)
         self._deadline: dict[Any, int] = {}     # leased uid -> generator's version at lease + S
         self._order: dict[Any, int] = {}        # leased uid -> lease number (ties: older first)
-        self._leases_made = 0                   # leases so far: the next lease number
+        self._lease_no = itertools.count()      # the next lease number
         self._taken = (0, 0)                    # (version, prompts delivered at it): step `version`'s share
         self._waited: set = set()               # open uids take_batches waited for (rule b)
         self.restarted = restarted                 # rebuilt after its actor died: empty until both rejoin
@@ -187,7 +188,7 @@ class RolloutHub:
         for book in (self._leases, self._pending, self._buffer, self._deadline, self._order):
             book.pop(uid, None)
 
-    def set_trainer_done(self) -> None:
+    def set_trainer_done(self) -> None:     # the trainer synced its last batch
         self._check_trainer_joined()
         self.trainer_done = True
 
@@ -218,11 +219,9 @@ class RolloutHub:
             k = min(k, admission_room(dues, due, self._version, self.batch_size, self._taken_now(), self.max_batches))
         uids = [self._pending.popitem(last=False)[0] for _ in range(k)]
         self._leases.update(dict.fromkeys(uids, worker_id))
-        for u in uids:
-            if self.max_staleness is not None:       # else due when the trainer sets it (_due)
-                self._deadline[u] = due
-            self._order[u] = self._leases_made
-            self._leases_made += 1
+        self._order.update((u, next(self._lease_no)) for u in uids)
+        if self.max_staleness is not None:           # else due when the trainer sets it (_due)
+            self._deadline.update(dict.fromkeys(uids, due))
         return [replace(self._items[u]) for u in uids]
 
     def release_worker(self, worker_id: str) -> int:
