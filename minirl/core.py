@@ -316,9 +316,7 @@ def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, 
 def ppo_loss_fn(*, clip_low: float = 0.2, clip_high: float | None = 0.28,
                 dual_clip: float | None = None, entropy: bool = True):
     """A loss_fn for Trainer.forward_backward: loss_fn(logprobs (n,), batch, logits (n, V)) ->
-    (clipped surrogate (n,), per-token stats {name: (n,)}): clip_frac, approx_kl (k3), ratio
-    (pi_theta / pi_sampler: the sampling log-probs are the old policy) and, if `entropy`, entropy
-    (batch.entropy: the Trainer's, of the sampling distribution; else entropy_from_logits(logits))."""
+    (clipped surrogate (n,), policy_stats: per-token {name: (n,)}); the sampler is the old policy."""
     _check_clip(clip_low, clip_high, dual_clip)
 
     def loss_fn(logprobs, batch, logits):
@@ -332,8 +330,8 @@ def ppo_loss_fn(*, clip_low: float = 0.2, clip_high: float | None = 0.28,
 def policy_stats(logprobs: torch.Tensor, batch, logits: torch.Tensor, clip_low: float, clip_high: float | None,
                  entropy: bool) -> dict:
     """Per-token stats of a loss_fn against the sampler (batch.old_logprobs, batch.advantages):
-    clip_frac, approx_kl (k3), ratio and, if `entropy`, entropy (batch.entropy, the Trainer's, else
-    entropy_from_logits(logits))."""
+    clip_frac, approx_kl (k3), ratio (pi_theta / pi_sampler) and, if `entropy`, entropy
+    (batch.entropy, the Trainer's, else entropy_from_logits(logits))."""
     old, adv = batch.old_logprobs, batch.advantages                            # (n,), (n,)
     ratio = torch.exp(logprobs - old)
     stats = {"clip_frac": _clipped(ratio, adv, clip_low, clip_high).float(), "approx_kl": kl_k3(old, logprobs),

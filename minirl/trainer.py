@@ -65,13 +65,11 @@ class TrainerConfig:
     lora: LoRAConfig | None = None
     """Train low-rank adapters only (PEFT); None: full fine-tuning."""
     cpu_offload: bool = False
-    """Keep parameters, gradients and AdamW state on the host; each FSDP unit is copied to the
-    device for its forward and backward, the optimizer steps on the CPU (FSDP2 CPUOffloadPolicy)."""
+    """Keep parameters, gradients and AdamW state on the host (FSDP2 CPUOffloadPolicy)."""
     reference: bool = False
-    """A frozen reference policy (the starting weights): its log-probs of every packed
-    micro-batch reach loss_fn as batch.ref_logprobs. With lora, the model with adapters off
-    (no extra memory); else (or with lora.also_train) a second FSDP2 model in the compute dtype,
-    sharded like the trainer."""
+    """A frozen reference policy (the starting weights) whose log-probs reach loss_fn as
+    batch.ref_logprobs: with lora, the model with adapters off; else (or with lora.also_train) a
+    second FSDP2 model in the compute dtype."""
     reference_offload: bool = False
     """Keep the reference policy's shards on the host (CPUOffloadPolicy) between its forwards."""
     compile: bool | str | Callable | None = None
@@ -86,11 +84,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class Trainer:
-    """One FSDP2 training rank: model, AdamW, policy version, checkpoints, weight gathering.
-
-    Trainer(model, config): `model` is a local HF directory or a hub name. Collective verbs
-    (forward_backward, optim_step, gather, checkpoints) are called by every rank in the same order.
-    """
+    """One FSDP2 training rank: model, AdamW, policy version, checkpoints, weight gathering. `model`: a
+    local HF directory or a hub name. Every rank calls the collective verbs (forward_backward,
+    optim_step, gather, checkpoints) in the same order."""
 
     def __init__(self, model: str, config: TrainerConfig | None = None):
         cfg = self.config = config or TrainerConfig()      # as the user gave it, never rewritten
@@ -144,13 +140,11 @@ class Trainer:
 
     def forward_backward(self, rollouts, loss_fn, *, temperature: float = 1.0,
                          num_global_tokens: int | None = None, entropy: bool = True) -> dict[str, float]:
-        """Accumulate the gradient of sum(loss_fn's per-token loss) / num_global_tokens.
-
-        `rollouts` are this rank's (any split: see rebalance). num_global_tokens defaults to the
-        scored tokens of every rank's rollouts (the token mean over the global batch); pass it to
-        spread one batch over several calls. With entropy, loss_fn's batch.entropy holds each scored
-        token's entropy at `temperature`. Returns the global token means of the loss and of every
-        value loss_fn reports, "tokens" and "micro_batches"."""
+        """Accumulate the gradient of sum(loss_fn's per-token loss) / num_global_tokens over this rank's
+        `rollouts`. num_global_tokens defaults to the scored tokens of every rank's rollouts (the token
+        mean over the global batch). With entropy, batch.entropy holds each scored token's entropy at
+        `temperature`. Returns the global token means of the loss and of every value loss_fn reports,
+        "tokens" and "micro_batches"."""
         with _explain_oom(self, f"forward_backward (micro-batches of <= {self.micro_batch_tokens} tokens)"):
             return self._forward_backward(list(rollouts), loss_fn, temperature, num_global_tokens, entropy)
 
@@ -265,9 +259,8 @@ class Trainer:
             self._state_where = "host"
 
     def optimizer_to_device(self) -> None:
-        """Bring AdamW's state back from optimizer_to_host(): its device memory is allocated now
-        (before a training step's activations, so in segments of its own), the copies run on a side
-        stream beside the step's forward and backward, and optim_step waits for them."""
+        """Bring AdamW's state back from optimizer_to_host(): allocated now (before a step's
+        activations), copied on a side stream beside the step's forward and backward."""
         if self._state_where == "to_host":
             self.optimizer_to_host()
         if self._state_where != "host":

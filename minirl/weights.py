@@ -62,14 +62,14 @@ def bucket_layout(model: nn.Module, *, dtype: torch.dtype | None = None, bucket_
 
 
 @torch.no_grad()
-def full_weight_buckets(model: nn.Module, *, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20,
-                        device: torch.device | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yield [(hf_name, full tensor)] buckets covering every parameter once, cast to `dtype` and on
-    `device` when given. FSDP2: one bucket per unit via its unshard() (an all-gather in the param
-    dtype), one unit at a time; collective: every rank consumes every bucket. Plain modules:
-    ~bucket_bytes buckets. Tensors may alias storage freed at the next bucket: copy what you keep."""
+def full_weight_buckets(model: nn.Module, *, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20
+                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield [(hf_name, full tensor)] buckets covering every parameter once, cast to `dtype` when
+    given. FSDP2: one bucket per unit via its unshard() (an all-gather), one unit at a time;
+    collective: every rank consumes every bucket. Plain modules: ~bucket_bytes buckets. Tensors may
+    alias storage freed at the next bucket: copy what you keep."""
     reshard(model)
-    yield from _gather(_groups(model, bucket_bytes), _caster(dtype, device))
+    yield from _gather(_groups(model, bucket_bytes), _caster(dtype))
 
 
 @torch.no_grad()
@@ -102,8 +102,8 @@ def gather_during_forward(model: nn.Module, forward, on_bucket, *, dtype: torch.
     return out
 
 
-def _caster(dtype: torch.dtype | None, device: torch.device | None = None):
-    return lambda t: t.detach().to(device=device, dtype=dtype)     # None keeps the tensor's own
+def _caster(dtype: torch.dtype | None):
+    return lambda t: t.detach().to(dtype=dtype)     # None keeps the tensor's own
 
 
 def _bucket(unit: nn.Module, params, cast) -> list[tuple[str, torch.Tensor]]:
