@@ -171,8 +171,7 @@ class Episode:
     async def call(self, fn: Callable, *args, timeout_s: float | None = None, **kwargs):
         """Run a tool: an async function awaited, a sync one in a daemon thread of its own, either with
         a timeout (default EpisodeConfig.tool_timeout_s); raises ToolTimeout naming the tool and this
-        episode. A sync tool still running at its timeout is abandoned (Python cannot stop a thread):
-        nothing waits for it, the run returns, and runner.stats["abandoned_threads"] counts it.
+        episode. A sync tool still running then is abandoned (runner.stats["abandoned_threads"]).
         info["tool_calls"], ["tool_s"] and ["tool_timeouts"] add up this episode's calls."""
         from minirl.faults import in_thread
         timeout = self.runner.config.tool_timeout_s if timeout_s is None else timeout_s
@@ -231,8 +230,7 @@ def chat_delta(tokenizer, messages: list[dict], *, add_generation_prompt: bool =
 
 
 EpisodeFn = Callable[[Episode], Awaitable[float]]
-_QUIET_S = 0.1      # the longest the engine loop steps without letting the event loop turn (an
-                    # episode that awaits I/O while another of its coroutines generates waits this long)
+_QUIET_S = 0.1      # the longest the engine loop steps without letting the event loop turn
 
 
 def single_turn(reward_fn: Callable) -> EpisodeFn:
@@ -379,9 +377,8 @@ class EpisodeRunner:
 
     def _quiet(self, since: float) -> bool:
         """Only the engine can wake anyone now: every running episode waits on a turn, and the event
-        loop has no ready callback (a started task, another thread's result) nor a due timer; then the
-        loop's turn between two steps (a select() call, which also hands the GIL to other threads)
-        is skipped, for at most _QUIET_S. An event loop without these attributes turns every step."""
+        loop has no ready callback nor a due timer; then its turn between two steps is skipped, for at
+        most _QUIET_S. An event loop without these attributes turns every step."""
         loop = self._loop
         ready, timers = getattr(loop, "_ready", None), getattr(loop, "_scheduled", None)
         if ready is None or timers is None or ready or self._generating < self._live:
@@ -422,9 +419,9 @@ class EpisodeRunner:
     def serve(self, feed: Callable[[], bool], *, idle_s: float = 0.05) -> None:
         """Run a session in this thread. Before each engine step (and every idle_s, or at wake(), while
         nothing runs) feed() may start groups (start_group); it returns False once no more will come,
-        and serve returns when no group is left. If feed() or a group's done() raises, the session ends:
-        its episodes are cancelled, their requests aborted, the error raised. After every step (and
-        every idle turn) `between_steps()` runs: what it changes (weights) the next step sees."""
+        and serve returns when no group is left. If feed() or a group's done() raises, the session
+        ends (episodes cancelled, requests aborted) with that error. `between_steps()` runs after
+        every step and idle turn."""
         asyncio.run(self._serve(feed, idle_s))
 
     def wake(self) -> None:

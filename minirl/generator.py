@@ -157,9 +157,8 @@ class Generator:
     def load_weights(self, version: int, buckets: Iterable[list[tuple[str, torch.Tensor]]], *,
                      probe_ids: list[int] | None = None, timeout_s: float = 600.0) -> dict:
         """Load full weights (HF names, any float dtype) bucket by bucket, then stamp `version`; while
-        serve runs, between two engine steps (the module docstring says what happens to requests in
-        flight). With probe_ids, also report for the trainer's check whether the checksum changed, and
-        probe log-probs. Returns load_s (the pause), version, from_version, in_flight (requests)."""
+        serve runs, between two engine steps. With probe_ids, also report whether the checksum changed,
+        and probe log-probs. Returns load_s (the pause), version, from_version, in_flight (requests)."""
         def direct():
             out = self._load(version, buckets, probe_ids is not None)
             if probe_ids is not None:
@@ -217,8 +216,7 @@ class Generator:
 
 class _Session:
     """One serve() call: a feeder thread leases prompts while fewer than `target` are open, the
-    engine's thread starts them between steps (feed), a delivery thread hands each finished group
-    over. `open` counts prompts from their lease until their delivery returned."""
+    engine's thread starts them between steps (feed), a delivery thread hands each finished group over."""
 
     def __init__(self, gen: Generator, lease, deliver, target: int, stop: threading.Event):
         self.gen, self.lease, self.deliver, self.target, self.stop = gen, lease, deliver, target, stop

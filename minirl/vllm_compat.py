@@ -56,10 +56,9 @@ class ManagedLLM(LLM):
 
 
 def engine_kwargs(user: dict, *, sleep: bool, seed: int, colocated: bool = True) -> dict:
-    """The user's LLM kwargs over in-process defaults: the seed; processed log-probs (they include
-    temperature, as get_logprobs(..., temperature=T)); co-located, external_launcher (else an error);
-    on CUDA sleep mode when asked (build_llm adds the CUDA-graph mode, which depends on the model:
-    default_compilation); on CPU eager and a small KV cache."""
+    """The user's LLM kwargs over in-process defaults: the seed; processed log-probs (temperature
+    included, as get_logprobs(..., temperature=T)); co-located, external_launcher (else an error);
+    on CUDA sleep mode when asked; on CPU eager and a small KV cache."""
     kw = {"logprobs_mode": "processed_logprobs", "seed": seed, **user}
     if colocated:
         backend = kw.setdefault("distributed_executor_backend", "external_launcher")
