@@ -4,13 +4,10 @@
     ckpt.save(step, model, optimizer, state={"policy_version": v, ...}, compat={...}, hf_from=path)
     state = ckpt.load(model, optimizer, compat={...})       # the latest complete checkpoint
 
-A checkpoint (runs/x/checkpoints/step_00000012/) holds dcp/ (model + optimizer, sharded, any world
-size), rng_rank<r>.json (each rank's RNG states), state.json (step, the caller's JSON state, compat),
-objects.pt (the caller's other objects; rank 0), optionally hf/ (the policy), and MANIFEST.json
-(every file's size and sha256), written last before the temporary directory is renamed into place;
-one without a matching manifest is refused. The newest `keep` stay. Collective: every rank calls
-save / load. Loading never runs code from the checkpoint: objects.pt loads with weights_only=True,
-allowing only _safe_types() besides plain data and tensors; save refuses objects it would not load.
+A checkpoint (runs/x/checkpoints/step_00000012/) holds dcp/ (model + optimizer), rng_rank<r>.json,
+state.json (step, the caller's JSON state, compat), objects.pt (the caller's other objects),
+optionally hf/ (the policy), and MANIFEST.json (every file's size and sha256), written last; the
+README's "Checkpoints" section says what is checked. Collective: every rank calls save / load.
 """
 
 import base64

@@ -10,15 +10,9 @@ The README's "Episodes" section is the guide (context, chat rendering, the Rollo
 
     batches = run_episodes(llm, episode, prompts, group_size=8, metadata=answers)   # RolloutBatches
 
-`EpisodeRunner` owns an engine and runs an asyncio loop: `ep.generate()` adds one request whose
-prompt is exactly the episode's tokens so far; the runner steps the engine, resolves finished
-requests' futures, and lets the event loop turn between steps whenever something may run there, so
-tool calls overlap generation and a finished turn's next request enters at the next step. `run()`
-starts every episode at once; `serve(feed)` is the long-lived form (the async generators'): between
-steps feed() starts new groups (`start_group`) and `between_steps` may load weights; each turn
-records the `policy_version` at submission and at finish (Rollout.info["versions"] = (first, last)).
-A reward_fn runs off the loop (`reward`), bounded by reward_timeout_s. No episode is ever dropped;
-a context with no room for its first turn fails its group (PromptTooLong, whatever on_error says).
+`EpisodeRunner` owns an engine and steps it in an asyncio loop that turns between steps whenever an
+episode may run: `run()` starts every episode at once; `serve(feed)` is the long-lived form (the
+async generators'), feed() starting new groups and `between_steps` loading weights between steps.
 Tests: tests/test_episodes.py.
 """
 
