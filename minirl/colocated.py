@@ -113,9 +113,8 @@ class WeightManager:
     # -- the two verbs -------------------------------------------------------------------------
 
     def as_vllm(self):
-        """The real vllm.LLM, holding the latest trained weights, with memory to generate. Syncs
-        if the optimizer stepped (or after a sleep or a checkpoint load) and drops the gradients;
-        its outputs record the policy version and device that parse_vllm_outputs stamps."""
+        """The real vllm.LLM, holding the latest trained weights, with memory to generate (it syncs when
+        they moved, and drops the gradients); its outputs record the policy version and device."""
         self._check_open()
         tr = self.trainer
         if self._mode == "train" or tr.stepped or self._reload:

@@ -97,8 +97,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
 def _fused_forward(x: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
     """(c, V) logits, (c,) targets -> log p(target), log-sum-exp and (with entropy) entropy per row,
-    of softmax(x / T), in fp32: written for torch.compile, which fuses it into reductions that read
-    x where it lies (eager, it makes several fp32 copies of x: the unfused path is _TokenLogprobs')."""
+    of softmax(x / T), in fp32: written for torch.compile (eager, it copies x several times)."""
     z = x.to(torch.promote_types(x.dtype, torch.float32)) / temperature
     lse = torch.logsumexp(z, -1)
     lp = z.gather(-1, targets[:, None]).squeeze(-1) - lse

@@ -273,8 +273,8 @@ def collate(rollouts: Iterable[Rollout], *, pad_token_id: int = 0, device=None) 
 @dataclass
 class PackedBatch(_Tensors):
     """Whole rollouts end to end in one unpadded row (what Trainer runs); positions restart per rollout
-    and `cu_seqlens` marks each start, so attention never crosses rollouts. Per-token fields hold one
-    entry per scored token (loss_mask 1, row order): the logits at row position scored[i] score targets[i]."""
+    and `cu_seqlens` marks each start. Per-token fields hold one entry per scored token (loss_mask 1,
+    row order): the logits at row position scored[i] score targets[i]."""
 
     input_ids: torch.Tensor        # (1, L) int64
     position_ids: torch.Tensor     # (1, L) int64, 0.. for each rollout

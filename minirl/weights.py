@@ -76,10 +76,9 @@ def full_weight_buckets(model: nn.Module, *, dtype: torch.dtype | None = None, b
 def gather_during_forward(model: nn.Module, forward, on_bucket, *, dtype: torch.dtype | None = None,
                           bucket_bytes: int = 512 << 20):
     """Run `forward()` (a no-grad forward of `model`), handing each FSDP unit's full parameters to
-    `on_bucket([(hf_name, tensor)])` while the forward has it unsharded (one unshard pass for both);
-    units it skipped, and plain modules, follow. Every parameter goes once, in full_weight_buckets'
-    buckets (tensors may alias storage freed after on_bucket returns). Returns forward()'s result,
-    the model resharded. Collective for FSDP2."""
+    `on_bucket([(hf_name, tensor)])` while the forward has it unsharded; units it skipped, and plain
+    modules, follow. Every parameter goes once, in full_weight_buckets' buckets. Returns forward()'s
+    result, the model resharded. Collective for FSDP2."""
     cast = _caster(dtype)
     reshard(model)
     groups = _groups(model, bucket_bytes)
