@@ -142,7 +142,7 @@ def run_side(args, work: Path) -> dict:
     rng = random.Random(args.seed + 10)
     prompts = [[rng.randrange(2, 60) for _ in range(args.prompt_tokens)] for _ in range(w["prompts"])]
     probe_seqs = [[rng.randrange(2, 60) for _ in range(32)] for _ in range(8)]
-    lora = None if merged else vc.lora_request(work / "adapter_v1", 1)
+    lora = None if merged else lora_request(work / "adapter_v1", 1)
     probes = {"v1": probe(llm, lora, probe_seqs)}
     if not merged:
         probes["base"] = probe(llm, None, probe_seqs)
@@ -159,12 +159,19 @@ def run_side(args, work: Path) -> dict:
             syncs.append(sync_merged(llm, trainer, scale=args.alpha / args.rank))
         else:
             path = work / f"adapter_v2_sync{k}"
-            lora = vc.lora_request(path, k + 2)                     # a new version: a new id
+            lora = lora_request(path, k + 2)                     # a new version: a new id
             syncs.append(sync_adapter(llm, trainer, path, lora, probe_seqs))
     probes["v2"] = probe(llm, lora, probe_seqs)
     vc.shutdown(llm)
     res.update(syncs=syncs, sync_s=round(statistics.median(s["sync_s"] for s in syncs), 4), probes=probes)
     return res
+
+
+def lora_request(path: str, adapter_id: int):
+    """A request (`generate(..., lora_request=)`) for the PEFT adapter saved at `path`, on an engine
+    with enable_lora=True: an unseen adapter_id (>= 1) loads it from disk, the same id reuses it."""
+    from vllm.lora.request import LoRARequest
+    return LoRARequest(lora_name=f"adapter-{adapter_id}", lora_int_id=adapter_id, lora_path=str(path))
 
 
 def since(t0: float) -> float:

@@ -4,17 +4,10 @@
     ckpt.save(step, model, optimizer, state={"policy_version": v, ...}, compat={...}, hf_from=path)
     state = ckpt.load(model, optimizer, compat={...})       # the latest complete checkpoint
 
-A checkpoint, e.g. runs/x/checkpoints/step_00000012/, holds dcp/ (model + optimizer state, sharded, for
-any world size), rng_rank<r>.json (each rank's python, numpy, torch and CUDA RNG states), state.json
-(step, the caller's JSON state, compat), objects.pt (the caller's other objects, e.g. queued rollouts;
-rank 0), optionally hf/ (the policy for transformers and vLLM), and MANIFEST.json (every file's size and
-sha256), written last, before the hidden temporary directory is renamed into place; one without a
-matching manifest (a file missing, cut short or changed in place) is refused. The newest `keep` stay.
-Collective: every rank calls save / load (gloo, NCCL or no group).
-
-Loading never runs code from the checkpoint: tensors come back through DCP and safetensors, RNG states
-and state as JSON, objects.pt through torch.load(weights_only=True) allowing only minirl's rollout types
-(Rollout, RolloutBatch, PromptItem) besides plain data and tensors; save refuses objects it would not load.
+A checkpoint (runs/x/checkpoints/step_00000012/) holds dcp/ (model + optimizer), rng_rank<r>.json,
+state.json (step, the caller's JSON state, compat), objects.pt (the caller's other objects),
+optionally hf/ (the policy), and MANIFEST.json (every file's size and sha256), written last; the
+README's "Checkpoints" section says what is checked. Collective: every rank calls save / load.
 """
 
 import base64
@@ -243,7 +236,6 @@ class Checkpointer:
 
 def tokenizer_hash(model_dir: str) -> str | None:
     """A short hash of a model directory's tokenizer files (None for hub names)."""
-    import hashlib
     p = Path(model_dir)
     if not p.is_dir():
         return None

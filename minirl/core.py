@@ -50,12 +50,10 @@ def _chunk_tokens(n: int, vocab: int, chunk_size: int | None) -> int:
 
 class _TokenLogprobs(torch.autograd.Function):
     """log_softmax(logits / T)[target] for (N, V) logits, a chunk of rows at a time, and (when asked)
-    each row's entropy from the same log-softmax. Forward keeps only the logits; backward rebuilds
-    each chunk's softmax and writes (onehot - p) * g / T into the (N, V) result in the logits' dtype
-    (extra memory: that plus fp32 blocks). A chunk each way: a cast to fp32, one fused (log-)softmax
-    kernel, the rest in place, since every pass over (chunk, V) is memory traffic. With `fused` (a
-    pair of compiled _fused_forward / _fused_backward) each chunk is one or two kernels that read the
-    logits where they lie: forward keeps each row's log-sum-exp, backward is one pass."""
+    each row's entropy. Forward keeps only the logits; backward rebuilds each chunk's softmax and
+    writes (onehot - p) * g / T into the (N, V) result in the logits' dtype, in place where it can.
+    With `fused` (compiled _fused_forward / _fused_backward) each chunk is one or two kernels that
+    read the logits where they lie: forward keeps each row's log-sum-exp, backward is one pass."""
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, chunk, entropy, fused):
@@ -99,8 +97,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
 def _fused_forward(x: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
     """(c, V) logits, (c,) targets -> log p(target), log-sum-exp and (with entropy) entropy per row,
-    of softmax(x / T), in fp32: written for torch.compile, which fuses it into reductions that read
-    x where it lies (eager, it makes several fp32 copies of x: the unfused path is _TokenLogprobs')."""
+    of softmax(x / T), in fp32: written for torch.compile (eager, it copies x several times)."""
     z = x.to(torch.promote_types(x.dtype, torch.float32)) / temperature
     lse = torch.logsumexp(z, -1)
     lp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
@@ -130,8 +127,7 @@ def fused_kernels(backend: str | None):
 
 
 _FUSED_ROWS = 4096
-"""Rows per chunk of the fused path: its kernels hold nothing of (rows, V) (backward writes the
-gradient in place), so a chunk only bounds what a compiler that did not fuse could hold; fewer
+"""Rows per chunk of the fused path at least: its kernels hold nothing of (rows, V), so fewer
 chunks, fewer launches."""
 
 
@@ -144,10 +140,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
                    chunk_size: int | None = None, entropy: bool = False, compile: str | None = None):
     """log p(targets[i]) under softmax(logits[i] / temperature): (N, V), (N,) -> (N,), no shift.
     fp32 (fp64 for fp64 logits), differentiable, chunked: never an fp32 copy of the logits. With
-    entropy=True returns (log-probs, entropies): each row's entropy of that same distribution (nats,
-    no gradient), from the same pass over the logits (entropy_from_logits takes another).
-    compile: a torch.compile backend (the trainer passes "inductor" on CUDA) for the fused path,
-    a few kernels per chunk instead of a dozen; None: plain torch, the reference."""
+    entropy=True returns (log-probs, entropies): each row's entropy (nats, no gradient) from the
+    same pass. compile: a torch.compile backend for the fused path; None: plain torch, the reference."""
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)}: pass "
                          "(N, V) logits and the (N,) token ids they score")
@@ -271,12 +265,15 @@ def _check_finite(**tensors: torch.Tensor) -> None:
     raise ValueError(f"{name} hold {bad} NaN or inf entries of {t.numel()}: {hint}")
 
 
-def _check_clip(clip_low: float, clip_high: float | None) -> float:
-    """clip_high (clip_low when None), after checking the trust region [1 - clip_low, 1 + clip_high]."""
+def _check_clip(clip_low: float, clip_high: float | None, dual_clip: float | None = None) -> float:
+    """clip_high (clip_low when None), after checking the trust region [1 - clip_low, 1 + clip_high]
+    and dual_clip (None or > 1)."""
     ch = clip_low if clip_high is None else clip_high
     if not (0 <= clip_low < 1 and ch >= 0):
         raise ValueError(f"clip_low must be in [0, 1) and clip_high >= 0, got {clip_low}, {clip_high}: the "
                          "trust region is [1 - clip_low, 1 + clip_high] (e.g. 0.2 and 0.28)")
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     return ch
 
 
@@ -295,12 +292,10 @@ def clipped_surrogate(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, ad
     new, old = _align(new_logprobs, old_logprobs)
     adv = _as_adv(advantages, old)
     _check_finite(advantages=adv, old_logprobs=old, new_logprobs=new.detach())
-    ch = _check_clip(clip_low, clip_high)
+    ch = _check_clip(clip_low, clip_high, dual_clip)
     ratio = torch.exp(new - old)
     surr = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_low, 1 + ch) * adv)
     if dual_clip is not None:
-        if dual_clip <= 1:
-            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
         surr = torch.where(adv < 0, torch.maximum(surr, dual_clip * adv), surr)
     return -surr
 
@@ -320,24 +315,29 @@ def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, 
 def ppo_loss_fn(*, clip_low: float = 0.2, clip_high: float | None = 0.28,
                 dual_clip: float | None = None, entropy: bool = True):
     """A loss_fn for Trainer.forward_backward: loss_fn(logprobs (n,), batch, logits (n, V)) ->
-    (clipped surrogate (n,), per-token stats {name: (n,)}): clip_frac, approx_kl (k3), ratio
-    (pi_theta / pi_sampler: the sampling log-probs are the old policy) and, if `entropy`, entropy
-    (batch.entropy: the Trainer's, of the sampling distribution; else entropy_from_logits(logits))."""
-    _check_clip(clip_low, clip_high)
-    if dual_clip is not None and dual_clip <= 1:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    (clipped surrogate (n,), policy_stats: per-token {name: (n,)}); the sampler is the old policy."""
+    _check_clip(clip_low, clip_high, dual_clip)
+
     def loss_fn(logprobs, batch, logits):
-        old, adv = batch.old_logprobs, batch.advantages                        # (n,), (n,)
-        per_token = clipped_surrogate(logprobs, old, adv, clip_low=clip_low, clip_high=clip_high,
-                                      dual_clip=dual_clip)
-        with torch.no_grad():
-            ratio = torch.exp(logprobs.float() - old)
-            stats = {"clip_frac": _clipped(ratio, adv, clip_low, clip_high).float(),
-                     "approx_kl": kl_k3(old, logprobs.float()), "ratio": ratio}
-            if entropy:
-                stats["entropy"] = batch.entropy if batch.entropy is not None else entropy_from_logits(logits)
-        return per_token, stats
+        per_token = clipped_surrogate(logprobs, batch.old_logprobs, batch.advantages, clip_low=clip_low,
+                                      clip_high=clip_high, dual_clip=dual_clip)
+        return per_token, policy_stats(logprobs.float(), batch, logits, clip_low, clip_high, entropy)
     return loss_fn
+
+
+@torch.no_grad()
+def policy_stats(logprobs: torch.Tensor, batch, logits: torch.Tensor, clip_low: float, clip_high: float | None,
+                 entropy: bool) -> dict:
+    """Per-token stats of a loss_fn against the sampler (batch.old_logprobs, batch.advantages):
+    clip_frac, approx_kl (k3), ratio (pi_theta / pi_sampler) and, if `entropy`, entropy
+    (batch.entropy, the Trainer's, else entropy_from_logits(logits))."""
+    old, adv = batch.old_logprobs, batch.advantages                            # (n,), (n,)
+    ratio = torch.exp(logprobs - old)
+    stats = {"clip_frac": _clipped(ratio, adv, clip_low, clip_high).float(), "approx_kl": kl_k3(old, logprobs),
+             "ratio": ratio}
+    if entropy:
+        stats["entropy"] = batch.entropy if batch.entropy is not None else entropy_from_logits(logits)
+    return stats
 
 
 # ----------------------- KL estimators (Schulman, "Approximating KL divergence"), samples from p
@@ -405,18 +405,7 @@ def approx_kl(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
     return masked_mean(kl_k3(old, new), mask)
 
 
-@torch.no_grad()
-def log_ratio_stats(train_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor,
-                    mask: torch.Tensor | None = None) -> dict[str, float]:
-    """Mismatch between trainer and sampler log-probs: mean/max |diff| and mean ratio."""
-    d = torch.sub(*_align(train_logprobs, sampling_logprobs))
-    m = torch.ones_like(d) if mask is None else mask.to(d)
-    return {"logprob_diff_mean": float(masked_mean(d.abs(), m)),
-            "logprob_diff_max": float((d.abs() * m).max()) if d.numel() else 0.0,
-            "ratio_mean": float(masked_mean(torch.exp(d), m))}
-
-
 __all__ = ["compute_advantages", "token_logprobs", "get_logprobs", "entropy_from_logits", "masked_mean",
            "aggregate", "AGGREGATIONS", "clipped_surrogate", "clipped_policy_loss", "ppo_loss_fn", "kl_k1",
            "kl_k2", "kl_k3", "truncated_importance_weights", "masked_importance_weights", "clip_fraction",
-           "approx_kl", "log_ratio_stats"]
+           "approx_kl"]

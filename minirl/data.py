@@ -20,7 +20,7 @@ import os
 from array import array
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -137,6 +137,13 @@ def _check_reward(value, prompt, completion) -> float:
     return float(value)
 
 
+def check_per_prompt(n: int, **seqs: Sequence | None) -> None:
+    """ValueError unless each sequence given (metadata, uids...) has one entry per prompt."""
+    for name, seq in seqs.items():
+        if seq is not None and len(seq) != n:
+            raise ValueError(f"{len(seq)} {name} entries for {n} prompts: give one per prompt")
+
+
 def _group_by_prompt(outputs: list, group_size: int) -> list[list]:
     """[(output, completion)] groups: each n=group_size output alone, or n=1 outputs of the same prompt
     (in any order) in runs of group_size; a group never mixes prompts and never falls short."""
@@ -162,12 +169,12 @@ def _group_by_prompt(outputs: list, group_size: int) -> list[list]:
 def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, *,
                        metadata: Sequence | None = None, uids: Sequence | None = None,
                        policy_version: int | None = None, device=None, tokenizer=None) -> list[RolloutBatch]:
-    """vLLM `RequestOutput`s (n=group_size per prompt, or each prompt group_size times with n=1, grouped
-    by prompt, never mixed; logprobs=0) -> one RolloutBatch per group, ordered by each group's first
-    output. reward_fn(prompt, completion[, metadata[i]]) is called once per completion, in order, and must
-    return a finite real (not a bool); what it raises is re-raised naming the prompt. uids: one per
-    group (default: its index). policy_version / device default to the engine's
-    stamp (WeightManager.as_vllm(); else 0, "cpu"). `tokenizer` decodes detokenize=False completions."""
+    """vLLM `RequestOutput`s (n=group_size per prompt, or each prompt group_size times with n=1;
+    logprobs=0) -> one RolloutBatch per group, ordered by each group's first output. reward_fn(prompt,
+    completion[, metadata[i]]) is called once per completion, in order, and must return a finite real
+    (not a bool); what it raises is re-raised naming the prompt. uids: one per group (default: its
+    index). policy_version / device default to the engine's stamp (WeightManager.as_vllm(); else 0,
+    "cpu"). `tokenizer` decodes detokenize=False completions."""
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be an int >= 1 (completions per prompt), got {group_size!r}")
     if not callable(reward_fn):
@@ -183,9 +190,7 @@ def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, 
                             f"{type(o).__name__} {o!r:.80}")
     groups = _group_by_prompt(outputs, group_size)
     pairs = [pair for group in groups for pair in group]      # decoded below in this order
-    for name, seq in (("metadata", metadata), ("uids", uids)):
-        if seq is not None and len(seq) != len(groups):
-            raise ValueError(f"{len(seq)} {name} entries for {len(groups)} prompts: give one per prompt")
+    check_per_prompt(len(groups), metadata=metadata, uids=uids)
     stamp = getattr(outputs[0], "minirl", {}) if outputs else {}
     version = stamp.get("policy_version", 0) if policy_version is None else int(policy_version)
     dev = stamp.get("device", "cpu") if device is None else str(device)
@@ -218,11 +223,8 @@ def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, 
 
 
 # ----------------------------------------------------------------------------- training tensors
-_Batch = TypeVar("_Batch", bound="_Tensors")
-
-
 class _Tensors:
-    def to(self: _Batch, device) -> _Batch:
+    def to(self, device):
         """A copy of this batch with every tensor field on `device`."""
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
                                 if isinstance(getattr(self, f.name), torch.Tensor)})
@@ -271,8 +273,8 @@ def collate(rollouts: Iterable[Rollout], *, pad_token_id: int = 0, device=None) 
 @dataclass
 class PackedBatch(_Tensors):
     """Whole rollouts end to end in one unpadded row (what Trainer runs); positions restart per rollout
-    and `cu_seqlens` marks each start, so attention never crosses rollouts. Per-token fields hold one
-    entry per scored token (loss_mask 1, row order): the logits at row position scored[i] score targets[i]."""
+    and `cu_seqlens` marks each start. Per-token fields hold one entry per scored token (loss_mask 1,
+    row order): the logits at row position scored[i] score targets[i]."""
 
     input_ids: torch.Tensor        # (1, L) int64
     position_ids: torch.Tensor     # (1, L) int64, 0.. for each rollout

@@ -1,48 +1,18 @@
 """Episodes: multi-turn, tool-using generation, token in / token out, on one continuously batched
 vLLM engine. Single-turn generation is the one-turn episode of the same path. Hardware: CPU or GPU.
-
-An episode is user code, an `async def episode(ep) -> reward` that alternates generation and
-environment steps on an `Episode`, which holds the token context:
+The README's "Episodes" section is the guide (context, chat rendering, the Rollout, endings).
 
     async def episode(ep):                      # ep.prompt / ep.metadata / ep.uid: the task
         turn = await ep.generate()              # the engine consumes ep.token_ids, samples a turn
         obs = await ep.call(my_tool, turn.text) # a tool call with a timeout (sync: in a thread)
         ep.add_messages([{"role": "tool", "content": obs}])   # or ep.append(token_ids)
-        turn = await ep.generate()
         return 1.0 if ... else 0.0              # the final reward (ep.turn_rewards: per turn)
 
     batches = run_episodes(llm, episode, prompts, group_size=8, metadata=answers)   # RolloutBatches
 
-How it works. `EpisodeRunner` owns an engine and runs an asyncio loop: `ep.generate()` adds one
-request (`LLMEngine.add_request`) whose prompt is exactly the episode's tokens so far; the runner
-steps the engine, resolves each finished request's future, and lets the event loop turn between
-steps whenever something may run there (a finished turn, a tool's result, a due timer: not while
-every episode waits on the engine), so tool calls overlap generation and a finished turn's next
-request enters at the next step (no batch barrier). `run()` starts every episode at once and returns
-their batches; `serve(feed)` is the long-lived form of the same loop (the async generators'):
-between steps feed() starts new groups (`start_group`, each reporting its RolloutBatch through a
-callback as it finishes), so the engine stays full across leases. Between steps is also where an
-in-flight weight load goes (`between_steps`): every turn records the runner's `policy_version` when
-it was submitted and at the step it finished, Rollout.info["versions"] = (first, last) over its
-turns. A reward_fn runs off the loop (`reward`: a sync one in a worker thread, an async one awaited,
-both bounded by reward_timeout_s), so a slow reward never stalls the other episodes' steps.
-
-Token in, token out. The context only grows: sampled ids are appended as the engine produced them
-(loss_mask 1, their sampling log-probs), environment ids as given (loss_mask 0); nothing is ever
-re-tokenized. Chat messages are rendered incrementally: the template of [BASE + new] minus the
-template of BASE (a fixed one-exchange conversation, cut after its end-of-turn token), so a
-template that rewrites earlier turns (Qwen3 drops `<think>...</think>` from past assistant turns)
-never touches the tokens already sampled: they are trained exactly as sampled.
-
-Endings (`Rollout.finish_reason`): the episode returned: its last turn's vLLM finish reason ("stop",
-or "length" when max_tokens cut it: over-long filters and len/truncated see it), "max_turns" / "max_model_len"
-(a `generate` past EpisodeConfig.max_turns or with no room left: the episode ends there, its
-reward is what `on_limit` returns, default 0), "error" (the episode raised, a tool timed out and
-was not caught, or it ran past `episode_timeout_s`; on_error="raise" stops the run naming the
-episode and its task, "record" keeps it with `error_reward` and the error in `info["error"]`).
-No episode is ever dropped. A context with no room for its first turn is no episode: its group fails
-(PromptTooLong, whatever on_error says; the async hub applies on_failure). The Rollout's prompt is the context before the first sampled token,
-its completion everything after (trailing environment tokens, which no loss sees, are cut).
+`EpisodeRunner` owns an engine and steps it in an asyncio loop that turns between steps whenever an
+episode may run: `run()` starts every episode at once; `serve(feed)` is the long-lived form (the
+async generators'), feed() starting new groups and `between_steps` loading weights between steps.
 Tests: tests/test_episodes.py.
 """
 
@@ -60,7 +30,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import torch
 
-from minirl.data import Rollout, RolloutBatch, _check_reward
+from minirl.data import Rollout, RolloutBatch, _check_reward, check_per_prompt
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +46,7 @@ class EpisodeConfig:
     error_reward, finish_reason "error" and info["error"]."""
     error_reward: float = 0.0
     limit_reward: float = 0.0
-    """Reward of an episode ended by max_turns / max_model_len (unless its on_limit returns one)."""
+    """Reward of an episode ended by max_turns / max_model_len ."""
     max_concurrent: int | None = None
     """Episodes in flight at once (None: all); the engine's max_num_seqs bounds what runs."""
     reward_timeout_s: float | None = None
@@ -85,14 +55,11 @@ class EpisodeConfig:
     reward_workers: int = 32
     """Threads that run sync reward functions beside the engine loop."""
     admit_wait_steps: int = 0
-    """Engine steps a new turn's request may wait so that others enter with it (0: it enters at the
-    next step). Steps that prefill beside running decodes cannot replay decode-only CUDA graphs;
-    fewer of them can cost less than the wait. Requests enter at once when nothing else runs."""
+    """Engine steps a new turn's request may wait so that others enter with it (fewer mixed
+    prefill steps, which cannot replay decode-only CUDA graphs); 0, or nothing else runs: at once."""
     gc_threshold: int | None = 50_000
-    """While a session runs, Python's collector runs its youngest generation after this many new
-    container objects (Python's default: 700 on 3.12, 2,000 on 3.13+), restored after: full
-    collections, each a scan of every live object not frozen (the engine's requests, the episodes,
-    the rollouts), come that much less often. None leaves the collector as it is."""
+    """Python's collector threshold (youngest generation) while a session runs, restored after:
+    full scans of every live object come that much less often. None leaves the collector as it is."""
 
 
 class ToolTimeout(TimeoutError):
@@ -118,8 +85,7 @@ class Turn:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None        # vLLM's: "stop", "length"
-    versions: tuple[int, int]        # policy version at submission and at the step it finished: its
-                                     # tokens were sampled with weights of versions in between
+    versions: tuple[int, int]        # policy version at submission and at the step it finished
     text: str = ""
 
 
@@ -187,8 +153,8 @@ class Episode:
         return ids
 
     def add_messages(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
-        """Render only these new chat messages with the tokenizer's template (see the module
-        docstring) and append them; if the last sampled turn did not end with EOS, EOS comes first."""
+        """Render only these new chat messages (chat_delta) and append them; if the last sampled turn
+        did not end with EOS, EOS comes first."""
         tok = self.runner.tokenizer
         ids = chat_delta(tok, messages, add_generation_prompt=add_generation_prompt)
         if self.turns and tok.eos_token_id is not None and self.token_ids[-1] != tok.eos_token_id:
@@ -199,8 +165,7 @@ class Episode:
     async def call(self, fn: Callable, *args, timeout_s: float | None = None, **kwargs):
         """Run a tool: an async function awaited, a sync one in a daemon thread of its own, either with
         a timeout (default EpisodeConfig.tool_timeout_s); raises ToolTimeout naming the tool and this
-        episode. A sync tool still running at its timeout is abandoned (Python cannot stop a thread):
-        nothing waits for it, the run returns, and runner.stats["abandoned_threads"] counts it.
+        episode. A sync tool still running then is abandoned (runner.stats["abandoned_threads"]).
         info["tool_calls"], ["tool_s"] and ["tool_timeouts"] add up this episode's calls."""
         from minirl.faults import in_thread
         timeout = self.runner.config.tool_timeout_s if timeout_s is None else timeout_s
@@ -259,8 +224,7 @@ def chat_delta(tokenizer, messages: list[dict], *, add_generation_prompt: bool =
 
 
 EpisodeFn = Callable[[Episode], Awaitable[float]]
-_QUIET_S = 0.1      # the longest the engine loop steps without letting the event loop turn (an
-                    # episode that awaits I/O while another of its coroutines generates waits this long)
+_QUIET_S = 0.1      # the longest the engine loop steps without letting the event loop turn
 
 
 def single_turn(reward_fn: Callable) -> EpisodeFn:
@@ -284,13 +248,11 @@ def _explain_generation_oom(e: torch.OutOfMemoryError) -> MemoryError:
         have = (f": {free / 2**30:.2f} of {total / 2**30:.1f} GiB free, {idle / 2**30:.2f} GiB reserved by "
                 "PyTorch's allocator but unallocated")
     return MemoryError(
-        f"generation ran out of device memory in an engine step"
-        f"{' asking for ' + asked.group(1) + ' more' if asked else ''}{have}. "
-        "The engine's KV cache and what shares the device (a co-located trainer's weights and AdamW state) "
-        "leave too little for the step's working memory. Levers: a smaller KV cache "
-        "(WeightManagerConfig.kv_cache_gib, launch --kv-cache-gib, or the engine's kv_cache_memory_bytes / "
-        "gpu_memory_utilization), fewer sequences at once (the engine's max_num_seqs; "
-        "launch: --prompts x --group-size), a shorter max_model_len, or LoRA "
+        f"generation ran out of device memory in an engine step{' asking for ' + asked.group(1) + ' more' if asked else ''}"
+        f"{have}. The engine's KV cache and what shares the device (a co-located trainer's weights and AdamW state) "
+        "leave too little for the step's working memory. Levers: a smaller KV cache (WeightManagerConfig.kv_cache_gib, "
+        "launch --kv-cache-gib, or the engine's kv_cache_memory_bytes / gpu_memory_utilization), fewer sequences "
+        "at once (the engine's max_num_seqs; launch: --prompts x --group-size), a shorter max_model_len, or LoRA "
         "/ cpu_offload for the trainer.")
 
 
@@ -321,8 +283,7 @@ class EpisodeRunner:
         self._limit: asyncio.Semaphore | None = None
         self._pool = None                            # reward threads (made on first use)
         self._live = self._generating = 0            # episodes running / of them waiting on a turn
-        self.stats.update(yields=0, busy_s=0.0, idle_s=0.0, serve_s=0.0)   # seconds in engine steps (admissions
-        # included) / waiting with no request in flight (every episode in a tool call) / in sessions
+        self.stats.update(yields=0, busy_s=0.0, idle_s=0.0, serve_s=0.0)   # s in steps / with none in flight / sessions
         self.between_steps: Callable[[], None] | None = None   # e.g. an in-flight weight load
 
     def decode(self, ids: list[int]) -> str:
@@ -410,9 +371,8 @@ class EpisodeRunner:
 
     def _quiet(self, since: float) -> bool:
         """Only the engine can wake anyone now: every running episode waits on a turn, and the event
-        loop has no ready callback (a started task, another thread's result) nor a due timer; then the
-        loop's turn between two steps (a select() call, which also hands the GIL to other threads)
-        is skipped, for at most _QUIET_S. An event loop without these attributes turns every step."""
+        loop has no ready callback nor a due timer; then its turn between two steps is skipped, for at
+        most _QUIET_S. An event loop without these attributes turns every step."""
         loop = self._loop
         ready, timers = getattr(loop, "_ready", None), getattr(loop, "_scheduled", None)
         if ready is None or timers is None or ready or self._generating < self._live:
@@ -423,9 +383,7 @@ class EpisodeRunner:
             uids: Sequence | None = None, seed: int | None = None, device: str = "cpu") -> list[RolloutBatch]:
         """group_size episodes per prompt, all at once; one RolloutBatch per prompt, in order.
         seed: episode k's turns sample with seeds derived from seed + k (reproducible runs)."""
-        for name, seq in (("metadata", metadata), ("uids", uids)):
-            if seq is not None and len(seq) != len(prompts):
-                raise ValueError(f"{len(seq)} {name} entries for {len(prompts)} prompts: give one per prompt")
+        check_per_prompt(len(prompts), metadata=metadata, uids=uids)
         check = getattr(self.llm, "_minirl_check", None)
         if check is not None:
             check()                                    # e.g. WeightManager: the engine is awake
@@ -455,9 +413,9 @@ class EpisodeRunner:
     def serve(self, feed: Callable[[], bool], *, idle_s: float = 0.05) -> None:
         """Run a session in this thread. Before each engine step (and every idle_s, or at wake(), while
         nothing runs) feed() may start groups (start_group); it returns False once no more will come,
-        and serve returns when no group is left. If feed() or a group's done() raises, the session ends:
-        its episodes are cancelled, their requests aborted, the error raised. After every step (and
-        every idle turn) `between_steps()` runs: what it changes (weights) the next step sees."""
+        and serve returns when no group is left. If feed() or a group's done() raises, the session
+        ends (episodes cancelled, requests aborted) with that error. `between_steps()` runs after
+        every step and idle turn."""
         asyncio.run(self._serve(feed, idle_s))
 
     def wake(self) -> None:
@@ -563,41 +521,38 @@ class EpisodeRunner:
     async def _one(self, episode: EpisodeFn, ep: Episode, limit: asyncio.Semaphore, device: str) -> Rollout:
         self._live += 1
         try:
-            return await self._run_one(episode, ep, limit, device)
+            async with limit:
+                t0 = time.perf_counter()
+                deadline = asyncio.timeout(self.config.episode_timeout_s)
+                try:
+                    async with deadline:
+                        reward = await episode(ep)
+                        reason = (ep.turns[-1].finish_reason if ep.turns else None) or "stop"
+                except EpisodeEnd as end:
+                    reward, reason = self.config.limit_reward, end.reason
+                    self.stats["limits"] += 1
+                except PromptTooLong:                      # the request fails: nothing to train on
+                    self.stats["errors"] += 1
+                    raise
+                except Exception as e:
+                    self.stats["errors"] += 1
+                    what = (f"ran past episode_timeout_s={self.config.episode_timeout_s}" if deadline.expired()
+                            else f"raised {type(e).__name__}: {e}")
+                    if self.config.on_error == "raise":
+                        raise RuntimeError(f"{ep.name} {what} (after {len(ep.turns)} turns)") from e
+                    ep.info["error"] = what
+                    reward, reason = self.config.error_reward, "error"
+                self.stats["episodes"] += 1
+                ep.info["episode_s"] = time.perf_counter() - t0
+                if reward is None and ep.turn_rewards:
+                    reward = sum(ep.turn_rewards)
+                try:
+                    reward = _check_reward(reward, ep.prompt, ep.text)
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"{ep.name}: {e}") from None
+                return ep.to_rollout(reward, reason, device)
         finally:
             self._live -= 1
-
-    async def _run_one(self, episode: EpisodeFn, ep: Episode, limit: asyncio.Semaphore, device: str) -> Rollout:
-        async with limit:
-            t0 = time.perf_counter()
-            deadline = asyncio.timeout(self.config.episode_timeout_s)
-            try:
-                async with deadline:
-                    reward = await episode(ep)
-                    reason = (ep.turns[-1].finish_reason if ep.turns else None) or "stop"
-            except EpisodeEnd as end:
-                reward, reason = self.config.limit_reward, end.reason
-                self.stats["limits"] += 1
-            except PromptTooLong:                      # the request fails: nothing to train on
-                self.stats["errors"] += 1
-                raise
-            except Exception as e:
-                self.stats["errors"] += 1
-                what = (f"ran past episode_timeout_s={self.config.episode_timeout_s}" if deadline.expired()
-                        else f"raised {type(e).__name__}: {e}")
-                if self.config.on_error == "raise":
-                    raise RuntimeError(f"{ep.name} {what} (after {len(ep.turns)} turns)") from e
-                ep.info["error"] = what
-                reward, reason = self.config.error_reward, "error"
-            self.stats["episodes"] += 1
-            ep.info["episode_s"] = time.perf_counter() - t0
-            if reward is None and ep.turn_rewards:
-                reward = sum(ep.turn_rewards)
-            try:
-                reward = _check_reward(reward, ep.prompt, ep.text)
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"{ep.name}: {e}") from None
-            return ep.to_rollout(reward, reason, device)
 
 
 def run_episodes(llm, episode: EpisodeFn, prompts: Sequence, *, group_size: int = 1, sampling: dict | None = None,

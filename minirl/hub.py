@@ -1,52 +1,46 @@
 """RolloutHub: the async backend's bookkeeping, one plain class (no Ray, no threads): a pool of
 prompts generators lease (`take_prompts`) and give back when they die (`release_worker`); a bounded
-buffer of finished RolloutBatches (one per prompt) the trainer takes (`take_batches`), re-issuing
-those of a too-old policy; staleness bound, policy version, run's end; exactly-once accounting:
+buffer of finished RolloutBatches (one per prompt) the trainer takes (`take_batches`); staleness
+bound, policy version, run's end; exactly-once accounting:
 
       pending -> leased -> buffered -> delivered
          ^--------'---------'-----------'   (worker lost / batch too stale / trainer rolled back)
                     '-> failed               (its request failed: fail_prompts)
 
-A batch for a uid already buffered or delivered (a restarted worker finishing a prompt twice) is
-dropped, counted in "duplicates". A prompt whose request fails is never retried: on_failure="stop"
-(default) ends the run, the trainer's next take_batches raising the cause; "skip" records it in
-failures() and goes on. rollback() resumes a restored trainer: what it did not train comes back,
-and batches of weights newer than its checkpoint (which no trainer holds) are refused.
-A hub rebuilt after its actor died (restarted=True) holds leases and deliveries until the server
-(rejoin_server: its prompts, whether closed, its generators) and the live trainer (rejoin_trainer:
-what it trained, its version and weights) have sent their state again: every prompt still trains once.
+A second batch for a uid (a restarted worker finishing a prompt twice) is dropped ("duplicates").
+A failed prompt is never retried: on_failure="stop" (default) ends the run, the trainer's next
+take_batches raising the cause; "skip" records it in failures(). rollback() resumes a restored
+trainer. A hub rebuilt after its actor died (restarted=True) holds leases and deliveries until the
+server (rejoin_server) and the live trainer (rejoin_trainer) sent their state again.
 
-Staleness by admission (the trainer set max_staleness S and its batch size B: set_max_staleness).
-The guarantee: every token trained at trainer version t (the step that publishes t + 1) was sampled
-with weights of version >= t - S. A batch's policy_version is the oldest version of its tokens, so
-a batch may be trained at versions <= its deadline policy_version + S; a prompt leased to a
-generator holding version g gets the deadline g + S (its tokens will be >= g). Two rules keep
-every deadline, so finished work is not thrown away:
-  (a) admission: a prompt is leased only if, for every t >= its deadline, the prompts open (leased
-      or buffered, not yet delivered) with deadlines <= t fit in the steps left until t:
+Staleness by admission (the trainer's max_staleness S and batch size B: set_max_staleness). The
+guarantee: every token trained at trainer version t (the step that publishes t + 1) was sampled
+with weights of version >= t - S. A batch's policy_version is its oldest token's, so it may be
+trained at versions <= its deadline policy_version + S; a prompt leased to a generator holding
+version g gets the deadline g + S. Two rules keep every deadline, so finished work is not wasted:
+  (a) admission (admission_room): a prompt is leased only if, for every t >= its deadline, the open
+      prompts (leased or buffered) with deadlines <= t fit in the steps left until t:
       #{open: deadline <= t} <= (t - version) * B + (B - taken at this version, >= 0); and at most
       max_batches are open (one step per version: the trainer publishes after each take).
   (b) take_batches(n) at version t delivers the n open prompts of the earliest deadlines (among
-      equal deadlines finished ones first) and waits while any of those is unfinished, rather than
-      train newer ones (counted in "waited_for_old"); bounded by the caller's timeout.
-By (a) the prompts due at version t never outnumber B, by (b) they are all in step t's batch.
-max_staleness=0 stays on-policy: B prompts per version, all trained before the next one. The old
-rule (take the oldest-finished batches, re-queue those past their deadline: "recycled_stale")
-stays as a safety net for batches that arrive late anyway (a restored buffer, admission=False,
-prompts leased before the trainer set its bound, a trainer taking several batches per version); it
-counts every such prompt. With admission the leases bound the buffer, so a put never waits.
+      equal deadlines finished ones first) and waits while any of those is unfinished rather than
+      train newer ones ("waited_for_old"), bounded by the caller's timeout.
+By (a) the prompts due at version t never outnumber B, by (b) they are all in step t's batch;
+max_staleness=0 stays on-policy. A safety net re-queues batches past their deadline anyway
+("recycled_stale": a restored buffer, admission=False, prompts leased before the trainer set its
+bound, several takes per version). With admission the leases bound the buffer: a put never waits.
 
-actors/queue.py wraps a hub in an async Ray actor with blocking calls. Tests: `pytest
-tests/test_hub.py`. Hardware: CPU (any).
+actors/queue.py wraps a hub in an async Ray actor. Tests: `pytest tests/test_hub.py`. Hardware: CPU.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
-from minirl.data import RolloutBatch
+from minirl.data import RolloutBatch, check_per_prompt
 
 
 @dataclass
@@ -60,11 +54,20 @@ class PromptItem:
 
 def prompt_items(prompts: list, metadata: list | None = None, uids: list | None = None) -> list[PromptItem]:
     """PromptItems of prompts (text or token ids), their metadata and uids (default: positions)."""
-    for name, seq in (("metadata", metadata), ("uids", uids)):
-        if seq is not None and len(seq) != len(prompts):
-            raise ValueError(f"{len(seq)} {name} entries for {len(prompts)} prompts")
+    check_per_prompt(len(prompts), metadata=metadata, uids=uids)
     return [PromptItem(uid=i if uids is None else uids[i], prompt=p,
                        metadata=None if metadata is None else metadata[i]) for i, p in enumerate(prompts)]
+
+
+def admission_room(dues: list[int], deadline: int, version: int, batch_size: int, taken: int,
+                   max_batches: int) -> int:
+    """Rule (a): how many more prompts of this deadline may be leased, given the deadlines of the
+    open prompts, the trainer's version, its batch size and the prompts taken at this version."""
+    room = max_batches - len(dues)
+    for t in sorted({deadline, *(d for d in dues if d > deadline)}):
+        steps = (t - version) * batch_size + max(0, batch_size - taken)
+        room = min(room, steps - sum(d <= t for d in dues))
+    return max(0, room)
 
 
 class QueueRestarted(RuntimeError):
@@ -81,8 +84,7 @@ class RolloutHub:
         if on_failure not in ("stop", "skip"):
             raise ValueError(f"on_failure={on_failure!r}: choose 'stop' (a failed prompt ends the run) "
                              "or 'skip' (it is recorded in failures() and the run goes on)")
-        self.on_failure = on_failure
-        self.max_batches = int(max_batches)
+        self.on_failure, self.max_batches = on_failure, int(max_batches)
         self.model_id, self.name = model_id, name    # name: for error messages (the queue actor's)
         self._items: dict[Any, PromptItem] = {}          # every uid not yet delivered
         self._pending: OrderedDict[Any, None] = OrderedDict()   # FIFO; front = next out
@@ -92,9 +94,8 @@ class RolloutHub:
         self._failed: dict[Any, str] = {}                # uid -> why its request failed
         self.error: str | None = None                    # on_failure="stop": the failure that ends the run
         self._orphaned: list[tuple[int, int]] = []       # (lo, hi]: versions of a trainer that died
-        self._top_version = 0
-        self._closed = self.trainer_done = self.done_seen = False   # trainer_done: it synced its last batch
-        self._recycled_stale = self._duplicates = self._version = self._rolled_back = 0
+        self._closed = self.trainer_done = self.done_seen = False
+        self._recycled_stale = self._duplicates = self._version = self._rolled_back = self._top_version = 0
         self._weights: Any = None
         self._workers: dict[str, Any] = {}
         self.max_staleness: int | None = None   # set by the trainer; see take_prompts, take_batches
@@ -102,7 +103,7 @@ class RolloutHub:
         self.admission = admission              # False: the old rule (lease while fresh, recycle late)
         self._deadline: dict[Any, int] = {}     # leased uid -> generator's version at lease + S
         self._order: dict[Any, int] = {}        # leased uid -> lease number (ties: older first)
-        self._leases_made = 0
+        self._lease_no = itertools.count()      # the next lease number
         self._taken = (0, 0)                    # (version, prompts delivered at it): step `version`'s share
         self._waited: set = set()               # open uids take_batches waited for (rule b)
         self.restarted = restarted                 # rebuilt after its actor died: empty until both rejoin
@@ -112,9 +113,8 @@ class RolloutHub:
         return uid in self._items or uid in self._delivered or uid in self._failed
 
     def _saw(self, version: int | None) -> None:
-        """A generator holds weights of `version`: a trainer published it. A rebuilt hub learns so the
-        versions of a trainer lost with it, so a trainer restored from an older checkpoint (rollback)
-        orphans them and publishes above them, never reusing one."""
+        """A generator holds weights of `version`: a trainer published it (a rebuilt hub learns so the
+        versions a lost trainer published; rollback publishes above them, never reusing one)."""
         if version is not None:
             self._top_version = max(self._top_version, int(version))
 
@@ -127,8 +127,7 @@ class RolloutHub:
         uids the hub already knows (e.g. restored from a checkpoint) instead of refusing them."""
         if self._closed:
             raise ValueError("add_prompts after close_prompts: the prompt pool is closed")
-        items = [it for it in items
-                 if not (skip_known and isinstance(it, PromptItem) and self._known(it.uid))]
+        items = [it for it in items if not (skip_known and isinstance(it, PromptItem) and self._known(it.uid))]
         seen = set()
         for it in items:
             if not isinstance(it, PromptItem):
@@ -180,17 +179,16 @@ class RolloutHub:
             return self._buffer[uid].policy_version + self.max_staleness
         return self._deadline.get(uid, self._version + self.max_staleness)
 
-    def _room(self, deadline: int) -> int:
-        """How many more prompts of this deadline rule (a) admits."""
-        dues = sorted(self._due(u) for u in (*self._leases, *self._buffer))
-        taken = self._taken[1] if self._taken[0] == self._version else 0    # this version's step took them
-        room = self.max_batches - len(dues)
-        for t in sorted({deadline, *(d for d in dues if d > deadline)}):
-            steps = (t - self._version) * self.batch_size + max(0, self.batch_size - taken)
-            room = min(room, steps - sum(d <= t for d in dues))
-        return max(0, room)
+    def _taken_now(self) -> int:
+        """Prompts delivered at the current version (its step's share)."""
+        return self._taken[1] if self._taken[0] == self._version else 0
 
-    def set_trainer_done(self) -> None:
+    def _forget(self, uid) -> None:
+        """Drop uid's lease, pending entry, buffered batch and deadline (its item stays)."""
+        for book in (self._leases, self._pending, self._buffer, self._deadline, self._order):
+            book.pop(uid, None)
+
+    def set_trainer_done(self) -> None:     # the trainer synced its last batch
         self._check_trainer_joined()
         self.trainer_done = True
 
@@ -209,24 +207,21 @@ class RolloutHub:
         """Lease up to k pending prompts (oldest first, as copies) to `worker_id`; [] when none are
         pending; None, leasing nothing, when its weights' `version` lags more than max_staleness."""
         self._saw(version)
-        if self._pending and self._orphan(version):
-            return None
-        if (self._pending and version is not None and self.max_staleness is not None
-                and self._version - version > self.max_staleness):
+        lags = version is not None and self.max_staleness is not None and self._version - version > self.max_staleness
+        if self._pending and (self._orphan(version) or lags):
             return None
         if self.error is not None or self.awaiting:   # the run stops, or a rebuilt hub waits for its state
             return []
         k = min(k, len(self._pending))
         due = (self._version if version is None else version) + (self.max_staleness or 0)
         if self._admits():
-            k = min(k, self._room(due))               # rule (a): [] until the trainer steps
+            dues = [self._due(u) for u in (*self._leases, *self._buffer)]    # rule (a): [] until the trainer steps
+            k = min(k, admission_room(dues, due, self._version, self.batch_size, self._taken_now(), self.max_batches))
         uids = [self._pending.popitem(last=False)[0] for _ in range(k)]
         self._leases.update(dict.fromkeys(uids, worker_id))
-        for u in uids:
-            if self.max_staleness is not None:       # else due when the trainer sets it (_due)
-                self._deadline[u] = due
-            self._order[u] = self._leases_made
-            self._leases_made += 1
+        self._order.update((u, next(self._lease_no)) for u in uids)
+        if self.max_staleness is not None:           # else due when the trainer sets it (_due)
+            self._deadline.update(dict.fromkeys(uids, due))
         return [replace(self._items[u]) for u in uids]
 
     def release_worker(self, worker_id: str) -> int:
@@ -235,10 +230,7 @@ class RolloutHub:
 
     def _requeue_front(self, uids: list) -> int:
         for u in reversed(uids):
-            self._leases.pop(u, None)
-            self._buffer.pop(u, None)
-            self._deadline.pop(u, None)
-            self._order.pop(u, None)
+            self._forget(u)
             self._items[u].attempts += 1
             self._pending[u] = None
             self._pending.move_to_end(u, last=False)
@@ -251,9 +243,8 @@ class RolloutHub:
 
     def put_batches(self, worker_id: str, batches: list) -> int:
         """Buffer RolloutBatches (.uid = their PromptItem's; all checked first); returns how many were
-        accepted. A uid unknown, buffered or delivered is a dropped duplicate; else the first finisher
-        wins, clearing lease and pending entry. No space check: callers wait for space() >= 1, so the
-        buffer may exceed max_batches by at most len(batches) - 1."""
+        accepted: the first finisher of a uid wins, others are dropped duplicates. No space check:
+        callers wait for space() >= 1 (the buffer may exceed max_batches by len(batches) - 1)."""
         batches = list(batches)
         for b in batches:
             if not isinstance(b, RolloutBatch):
@@ -308,26 +299,21 @@ class RolloutHub:
             return None
         else:
             out = [self._buffer.popitem(last=False)[1] for _ in range(min(n, len(self._buffer)))]
-        v, k = self._taken
-        self._taken = (self._version, len(out) + (k if v == self._version else 0))
+        self._taken = (self._version, self._taken_now() + len(out))
         for b in out:
             self._delivered[b.uid] = self._items.pop(b.uid)
-            self._deadline.pop(b.uid, None)
-            self._order.pop(b.uid, None)
+            self._forget(b.uid)
         return out
 
     def fail_prompts(self, worker_id: str, failures: list) -> int:
         """[(uid, cause)]: these prompts' requests failed (too long a prompt, reward_fn raised...);
-        never retried. on_failure="stop": the first sets `error`, which take_batches raises (the
-        trainer's side) and which finishes the run; "skip": each is recorded in failures(). Uids
-        not pending or leased (already done elsewhere) are ignored. Returns how many were taken."""
+        on_failure="stop": the first sets `error`, which take_batches raises and which finishes the
+        run. Uids not pending or leased are ignored. Returns how many were taken."""
         taken = 0
         for uid, cause in failures:
             if uid not in self._items or uid in self._buffer:
                 continue
-            self._deadline.pop(uid, None)
-            self._leases.pop(uid, None)
-            self._pending.pop(uid, None)
+            self._forget(uid)
             del self._items[uid]
             self._failed[uid] = str(cause)
             taken += 1
@@ -344,11 +330,9 @@ class RolloutHub:
     def rollback(self, trained: list, version: int) -> int:
         """A trainer restored from a checkpoint that trained exactly `trained` at policy `version`:
         uids delivered since come back (pending, at the front), `trained` ones count as delivered,
-        and weights newer than `version` (made by the lost trainer, held by no trainer now) are
-        orphaned: batches of them are refused and their weights handle dropped. Returns the
-        version the restored trainer publishes next: above every version published, and above one
-        more, since the lost trainer's last push may have reached generators that have not said so
-        (a rebuilt hub hears of versions from generators; a collective push tells the hub last)."""
+        and weights newer than `version` (the lost trainer's) are orphaned: their batches refused,
+        their handle dropped. Returns the version to publish next: above every version seen and one
+        more (the lost trainer's last push may have reached generators unheard of)."""
         return self._roll(trained, version, self._top_version + 1)
 
     def _roll(self, trained: list, version: int, top: int) -> int:
@@ -361,10 +345,7 @@ class RolloutHub:
             self._items[u] = self._delivered.pop(u)
             self._leases[u] = "rollback"        # requeued below, at the front with attempts + 1
         for u in trained - self._delivered.keys():
-            self._deadline.pop(u, None)
-            self._leases.pop(u, None)
-            self._pending.pop(u, None)
-            self._buffer.pop(u, None)
+            self._forget(u)
             self._delivered[u] = self._items.pop(u, None)
         if top > version:
             self._orphaned.append((version, top))
@@ -377,9 +358,8 @@ class RolloutHub:
         return self._version
 
     def rejoin_server(self, items: list[PromptItem], closed: bool, workers: dict, versions: list = ()) -> int:
-        """After a restart: the server's prompts (uids the trainer already rejoined with are skipped),
-        whether it closed them, its generators {worker_id: handle} and the weight versions they hold.
-        Returns how many prompts were added."""
+        """After a restart: the server's prompts (known uids skipped), whether it closed them, its
+        generators {worker_id: handle} and their weight versions. Returns how many were added."""
         self._saw(max(versions, default=None))
         added = self.add_prompts(items, skip_known=True) if not self._closed else 0
         self._closed = self._closed or closed
@@ -390,9 +370,8 @@ class RolloutHub:
 
     def rejoin_trainer(self, trained: list, version: int, weights: Any, max_staleness: int | None,
                        batch_size: int | None = None) -> int:
-        """After a restart: the live trainer's pulled uids (never issued again), its policy version
-        and weights handle (generators bootstrap from them), staleness bound and batch size. Returns
-        its version."""
+        """After a restart: the live trainer's pulled uids (never issued again), its policy version,
+        weights handle, staleness bound and batch size. Returns its version."""
         if max_staleness is not None:
             self.set_max_staleness(max_staleness, batch_size)
         version = self._roll(trained, version, self._top_version)    # a live trainer knows its last version
@@ -439,10 +418,9 @@ class RolloutHub:
                 "waited_for_old": len(self._waited), "batch_size": self.batch_size, "admission": self._admits(),
                 "duplicates": self._duplicates, "max_batches": self.max_batches, "version": self._version,
                 "workers": len(self._workers), "closed": self._closed, "max_staleness": self.max_staleness,
-                "trainer_done": self.trainer_done, "done_seen": self.done_seen, "failed": len(self._failed), "error": self.error,
-                "rolled_back": self._rolled_back, "on_failure": self.on_failure,
-                "awaiting": sorted(self.awaiting), "finished": self.finished(),
-                "restarted": self.restarted}
+                "trainer_done": self.trainer_done, "done_seen": self.done_seen, "failed": len(self._failed),
+                "error": self.error, "rolled_back": self._rolled_back, "on_failure": self.on_failure,
+                "awaiting": sorted(self.awaiting), "finished": self.finished(), "restarted": self.restarted}
 
 
-__all__ = ["PromptItem", "QueueRestarted", "RolloutHub", "prompt_items"]
+__all__ = ["PromptItem", "QueueRestarted", "RolloutHub", "admission_room", "prompt_items"]

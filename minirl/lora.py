@@ -1,10 +1,8 @@
 """LoRA for the Trainer through PEFT: adapters injected into the HF model before FSDP2 shards it,
 merged into the base weights (W + alpha/rank * B @ A, under the base model's HF names) whenever
-the engine or an export receives them.
+the engine or an export receives them (the README's "Bigger models" section).
 
     trainer = Trainer(path, TrainerConfig(lora=LoRAConfig(rank=16, alpha=32)))
-    # AdamW holds the adapters only; gather() hands vLLM merged weights; checkpoints hold the
-    # adapters and their AdamW state; a reference policy is the same model with adapters off.
 
 Pure torch + peft (`pip install -e ".[lora]"`); CPU or GPU.
 """

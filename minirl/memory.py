@@ -5,21 +5,20 @@
 
 Applied once: the trainer's part by Trainer.apply, the engine's as vllm.LLM kwargs, AdamW's place
 by the WeightManager. The user's configs are never rewritten: what the user set is kept (named in
-plan.user_set), the rest planned. Decisions on measurements are the largest over the ranks
-(agreed_max): their collectives stay in step. In order (CUDA; on CPU nothing is measured):
+plan.user_set), the rest planned. Decisions on measurements take the largest over the ranks
+(agreed_max), so their collectives stay in step. In order (CUDA; on CPU nothing is measured):
 1. Before loading (check_before_loading): the trainer's weights, gradients, AdamW state and
-   reference and the engine with two max_model_len sequences of KV cache must fit; else
-   MemoryError naming the levers.
-2. Sleep level 2 (asleep while the trainer trains) unless set; set, with the engine sized by the
-   user (gpu_memory_utilization, kv_cache_memory_bytes): nothing is measured.
+   reference and the engine with two max_model_len sequences of KV cache must fit; else MemoryError.
+2. Sleep level 2 unless set; set, with the engine sized by the user (gpu_memory_utilization,
+   kv_cache_memory_bytes): nothing is measured.
 3. The training step (measure_peak): trial steps of random tokens against the device less what a
    sleeping engine keeps (ENGINE_ASLEEP) and _headroom. activation_checkpointing set: one trial.
-   Else trials of 1/8 and 1/4 of a micro-batch draw the line of peak against tokens. Size left too:
+   Else trials of 1/8 and 1/4 of a micro-batch draw the line of peak against tokens. Size left:
    from the largest PLANNED_TOKENS down (16,384 at most beside a resident engine), a trial where
    the line fits at budget 1 (or the one set), then (compiled, budget left) at LOW_MEMORY_BUDGET
    where _BUDGET_BOUND of its activations fit; the first that fits wins; none: 16,384 tokens and
-   the fewest layers. Size set: halved (a warning) when the line says only half fits (the one case
-   a value the user set changes); a trial where it fits, else the fewest layers: a trial recomputing
+   the fewest layers. Size set: halved (a warning) when the line says only half fits (the one
+   value set that changes); a trial where it fits, else the fewest layers: a trial recomputing
    every layer, then the count on the line between the nearest trials that fit and do not (out of
    memory: the range halves), four trials at most.
 4. AdamW's state to the host while generating (offload_optimizer left) where the engine sleeps, the
@@ -51,39 +50,31 @@ GIB = 1 << 30
 log = logging.getLogger(__name__)
 
 PLANNED_TOKENS = (32768, 16384, 8192)
-"""The micro-batch sizes a plan chooses from, largest first. Larger micro-batches train faster
-where they fit (fewer FSDP2 gathers and launches, larger matmuls): Qwen3-0.6B's training phase of
-512 x 1,088 tokens took 5.56 s at 32,768 against 6.25 s at 16,384 on an H200
-(benchmarks/train_phase.py, benchmarks/results/2026-12-04)."""
+"""The micro-batch sizes a plan chooses from, largest first: larger ones train faster where they
+fit (fewer FSDP2 gathers and launches, larger matmuls; benchmarks/results/2026-12-04)."""
 
 LOW_MEMORY_BUDGET = 0.6
-"""The activation memory budget a plan tries when a micro-batch does not fit at 1. Qwen3-4B's
-training phase of 512 x 320 tokens on an H200 (benchmarks/results/2026-12-04-b): 8,192-token
-micro-batches at budget 1 took 8.57 s and peaked at 99.5 GiB; 16,384 tokens at 0.8 took 8.15 s at
-116.4 GiB, at 0.6 8.34 s at 106.2 GiB (at 1 they would need ~142 GiB)."""
+"""The activation memory budget a plan tries when a micro-batch does not fit at 1
+(benchmarks/results/2026-12-04-b: Qwen3-4B, 16,384 tokens at 0.6 beat 8,192 at 1)."""
 
 _BUDGET_BOUND = 0.5
 """A trial at LOW_MEMORY_BUDGET runs only where the line's activations at budget 1, scaled by this,
-would fit: 0.55 of them remained at 0.6 in the measurement above."""
+would fit (0.55 of them remained at 0.6 in the measurement above)."""
 
 ENGINE_ASLEEP = 6 * GIB
-"""What a sleeping engine keeps on the device (CUDA graphs, compiled and sampler buffers):
-measured 6.0 GiB at the Qwen3-4B shape with 512 sequences on an H200."""
+"""What a sleeping engine keeps on the device (CUDA graphs, buffers; Qwen3-4B, 512 sequences, H200)."""
 
 HOST_RESERVE = 8 * GIB
-"""Host memory a training process holds besides offloaded state (an 8B offload cell whose state
-estimate left less than this was killed by the host running out of memory)."""
+"""Host memory a training process holds besides offloaded state."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryPlan:
-    """What plan() decided for one rank (the defaults: nothing measured). Settings: the first five
-    fields and offload_optimizer (recomputed_layers: TrainerConfig's activation_checkpointing; a
-    kv_cache_bytes of None: the engine's default or the user's size); user_set names those the user
-    set, kept as given, the others were planned. engine_kwargs: what goes to vllm.LLM. Measured: a
-    training step's peak (weights, gradients and AdamW's state included), what the trainer holds
-    between steps, the trials' limit, and each trial (tokens, layers recomputed, GiB or None: out
-    of memory, budget)."""
+    """What plan() decided for one rank (the defaults: nothing measured). Settings: the first six
+    fields (kv_cache_bytes None: the engine's default or the user's size); user_set names those the
+    user set, kept as given. engine_kwargs: what goes to vllm.LLM. Measured: a training step's peak
+    (weights, gradients, AdamW state included), what the trainer holds between steps, the trials'
+    limit, and each trial (tokens, layers recomputed, GiB or None: out of memory, budget)."""
 
     micro_batch_tokens: int = 16384
     recomputed_layers: int = 0
@@ -142,8 +133,7 @@ def _plan(trainer: Trainer, kw: dict, cfg) -> MemoryPlan:
     if cfg.sleep_level is not None and user_sized:
         return replace(_as_loaded(trainer), sleep_level=level, offload_optimizer=bool(cfg.offload_optimizer))
     headroom = _headroom(torch.cuda.mem_get_info(trainer.device)[1])
-    # a resident engine's KV cache has to fit beside the step's peak, so a planned micro-batch stays
-    # at most 16,384 tokens there (the cache before the rows)
+    # a resident engine's KV cache has to fit beside the step's peak: planned rows of 16,384 at most
     fit = measure_peak(trainer, reserve=ENGINE_ASLEEP + headroom, largest=PLANNED_TOKENS[1] if level == 0 else None)
     fit = replace(fit, sleep_level=level, held_bytes=torch.cuda.memory_allocated(trainer.device))   # no gradients
     return _engine_fit(trainer, n_params, fit, kw, cfg, headroom, user_sized)
@@ -201,10 +191,7 @@ def _engine_fit(trainer: Trainer, n_params: int, fit: MemoryPlan, kw: dict, cfg,
 
 
 def _headroom(total: int) -> float:
-    """Room a planned training step leaves free, for the allocator's fragmentation between steps.
-    Measured at the Qwen3-4B shape (16k-token micro-batches, engine asleep, H200) when AdamW's
-    state was still created by the first step: the trial fit with 7 GiB to spare, the second step
-    ran out with 4.8 GiB reserved but unallocated (the state is allocated at load since)."""
+    """Room a planned training step leaves free, for the allocator's fragmentation between steps."""
     return max(2 * GIB, 0.10 * total)
 
 
@@ -255,14 +242,12 @@ class _Trials:
     def __init__(self, trainer: Trainer, limit: float):
         self.trainer, self.limit, self.rows = trainer, limit, []
 
-    def __call__(self, tokens: int, layers: int | None = None, budget: float | None = None) -> int | None:
-        """The peak of a step of `tokens` with that many layers recomputing, at that budget (None: as
-        they are); None: out of memory."""
+    def __call__(self, tokens: int, layers: int | None = None) -> int | None:
+        """The peak of a step of `tokens` with that many layers recomputing (None: as they are);
+        None: out of memory."""
         tr = self.trainer
         if layers is not None:
             recompute_layers(tr.model, layers)
-        if budget is not None:
-            tr.use_memory_budget(budget)
         peak = agreed_max(tr, [trial_peak(tr, tokens)])[0]
         self.rows.append((tokens, tr.recomputed_layers, None if peak is None else round(peak / GIB, 2),
                           tr.memory_budget))

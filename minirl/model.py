@@ -41,8 +41,7 @@ def check_model_path(model: str) -> str:
 
 def model_identity(model: str) -> str:
     """What two processes compare to check they serve the same model: a hub name as is; for a
-    local directory, a hash of config.json and the weight files' names and sizes (so the same
-    model unpacked in two job working directories matches)."""
+    local directory, a hash of config.json and the weight files' names and sizes."""
     p = Path(model)
     if not p.is_dir():
         return model
@@ -135,8 +134,7 @@ def load_fsdp_model(path: str, device: torch.device, world: int, compute_dtype: 
                     trust_remote_code: bool = False, lora: LoRAConfig | None = None,
                     offload: bool = False, dtype: torch.dtype = torch.float32, compile: str | None = None):
     """Load an HF causal LM in `dtype` (fp32: master weights), inject LoRA adapters if asked, and
-    shard it with FSDP2: each decoder layer, then the root; with `offload` the shards stay on
-    the host (buffers, e.g. rotary tables, go to the device)."""
+    shard it with FSDP2: each decoder layer, then the root; with `offload` the shards stay on the host."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from transformers import AutoModelForCausalLM

@@ -16,10 +16,7 @@ trust region is re-anchored at each (exact for one optimizer step per batch, the
 
 from __future__ import annotations
 
-import torch
-
-from minirl.core import (clipped_surrogate, entropy_from_logits, kl_k3, masked_importance_weights,
-                         truncated_importance_weights)
+from minirl.core import clipped_surrogate, masked_importance_weights, policy_stats, truncated_importance_weights
 
 
 def decoupled_loss_fn(correction: str = "tis", *, clip_low: float = 0.2, clip_high: float | None = 0.28,
@@ -36,15 +33,7 @@ def decoupled_loss_fn(correction: str = "tis", *, clip_low: float = 0.2, clip_hi
         w = (truncated_importance_weights(prox, old, cap=cap) if correction == "tis"
              else masked_importance_weights(prox, old, low=low, high=high))  # (n,) detached
         per_token = w * clipped_surrogate(logprobs, prox, adv, clip_low=clip_low, clip_high=clip_high)
-        with torch.no_grad():
-            ratio = torch.exp(prox - old)                                  # pi_theta / pi_sampler
-            ch = clip_low if clip_high is None else clip_high
-            clipped = ((adv > 0) & (ratio > 1 + ch)) | ((adv < 0) & (ratio < 1 - clip_low))
-            stats = {"clip_frac": clipped.float(),
-                     "approx_kl": kl_k3(old, prox), "ratio": ratio, "is_weight": w}
-            if entropy:
-                stats["entropy"] = batch.entropy if batch.entropy is not None else entropy_from_logits(logits)
-        return per_token, stats
+        return per_token, {**policy_stats(prox, batch, logits, clip_low, clip_high, entropy), "is_weight": w}
     return loss_fn
 
 

@@ -4,21 +4,10 @@
     metrics = trainer.forward_backward(rollouts, loss_fn)   # gradients of the global token mean
     trainer.optim_step()                                   # clip, refuse non-finite, step
 
-forward_backward packs rollouts into rows of at most micro_batch_tokens tokens (positions restart
-per rollout, attention never crosses rollouts: flash varlen on CUDA, a block-diagonal mask on
-CPU), computes logits only where a token is scored, and accumulates the gradient of sum(loss) /
-num_global_tokens over every micro-batch and rank: the token mean of the whole global batch,
-however the rollouts split. `loss_fn(logprobs, batch, logits) -> (per_token_loss, {name:
-per_token_value})` sees one minirl.data.PackedBatch. The trainer also owns the policy version,
-checkpoints and the full-weight gathering both backends use to move weights to vLLM. One rank
-per process. bf16 compute with fp32 master weights and AdamW state on CUDA, fp32 on CPU.
-
-Bigger models on fewer GPUs: `lora=LoRAConfig(...)` trains PEFT adapters only (the engine gets
-merged weights, checkpoints hold the adapters); `cpu_offload` keeps parameters, gradients and AdamW
-state on the host (FSDP2's CPUOffloadPolicy); `reference=True` adds a frozen reference policy whose
-log-probs of each packed micro-batch reach loss_fn as `batch.ref_logprobs` (for a KL penalty).
-Loading and sharding the model: minirl.model. What the co-located backend plans (micro-batch size,
-recomputed layers, activation memory budget) reaches the trainer through apply(plan): minirl.memory.
+`loss_fn(logprobs, batch, logits) -> (per_token_loss, {name: per_token_value})` sees one packed
+minirl.data.PackedBatch; the README's "The loop" and "API" sections say how a step runs. The
+trainer also owns the policy version, checkpoints and the full-weight gathering both backends use.
+One rank per process; CPU or CUDA. Loading and sharding: minirl.model; memory plans: minirl.memory.
 """
 
 from __future__ import annotations
@@ -63,11 +52,10 @@ class TrainerConfig:
     """Token budget of one packed micro-batch (a longer rollout gets a row of its own). None: 16,384,
     or the largest of memory.PLANNED_TOKENS that fits in the co-located memory plan (CUDA)."""
     activation_memory_budget: float | None = None
-    """torch.compile's activation memory budget for the compiled decoder layers, in (0, 1]
-    (torch._functorch.config.activation_memory_budget): 1 keeps what its partitioner saves for
-    backward by default; lower values recompute more in backward, the cheapest ops first (norms,
-    rotary, SwiGLU's product). Needs compile. None: 1, or memory.LOW_MEMORY_BUDGET where only that
-    lets a longer planned micro-batch fit (Qwen3-4B on an H200: 16,384 tokens, not 8,192: 3% faster)."""
+    """torch.compile's activation memory budget for the compiled decoder layers, in (0, 1]: 1 keeps
+    what its partitioner saves for backward by default; lower values recompute more, the cheapest ops
+    first. Needs compile. None: 1, or memory.LOW_MEMORY_BUDGET where only that lets a longer planned
+    micro-batch fit."""
     attention: str = "auto"
     """"varlen" (torch's flash varlen kernel, CUDA), "sdpa" (a block-diagonal mask), "auto"."""
     seed: int = 0
@@ -77,20 +65,17 @@ class TrainerConfig:
     lora: LoRAConfig | None = None
     """Train low-rank adapters only (PEFT); None: full fine-tuning."""
     cpu_offload: bool = False
-    """Keep parameters, gradients and AdamW state on the host; each FSDP unit is copied to the
-    device for its forward and backward, the optimizer steps on the CPU (FSDP2 CPUOffloadPolicy)."""
+    """Keep parameters, gradients and AdamW state on the host (FSDP2 CPUOffloadPolicy)."""
     reference: bool = False
-    """A frozen reference policy (the starting weights): its log-probs of every packed
-    micro-batch reach loss_fn as batch.ref_logprobs. With lora, the model with adapters off
-    (no extra memory); else (or with lora.also_train) a second FSDP2 model in the compute dtype,
-    sharded like the trainer."""
+    """A frozen reference policy (the starting weights) whose log-probs reach loss_fn as
+    batch.ref_logprobs: with lora, the model with adapters off; else (or with lora.also_train) a
+    second FSDP2 model in the compute dtype."""
     reference_offload: bool = False
     """Keep the reference policy's shards on the host (CPUOffloadPolicy) between its forwards."""
     compile: bool | str | Callable | None = None
-    """torch.compile each decoder layer (dynamic shapes: one compile for every packed length) and the
-    log-probs' pass over the logits (core.token_logprobs(compile=)); it fuses the elementwise work
-    (norms, rotary, SwiGLU, casts, softmax over the vocabulary) that dominates a small model's step.
-    None: on CUDA (inductor), off on CPU; True: inductor; a str: that backend; False: eager."""
+    """torch.compile each decoder layer (dynamic shapes) and the log-probs' pass over the logits
+    (core.token_logprobs(compile=)). None: on CUDA (inductor), off on CPU; True: inductor; a str:
+    that backend; False: eager."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -99,16 +84,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class Trainer:
-    """One FSDP2 training rank: model, AdamW, policy version, checkpoints, weight gathering.
-
-    Trainer(model, config): `model` is a local HF directory or a hub name. Collective verbs
-    (forward_backward, optim_step, gather, checkpoints) are called by every rank in the same order.
-    """
+    """One FSDP2 training rank: model, AdamW, policy version, checkpoints, weight gathering. `model`: a
+    local HF directory or a hub name. Every rank calls the collective verbs (forward_backward,
+    optim_step, gather, checkpoints) in the same order."""
 
     def __init__(self, model: str, config: TrainerConfig | None = None):
         cfg = self.config = config or TrainerConfig()      # as the user gave it, never rewritten
+        # the token budget of a packed micro-batch: the config's, 16,384, or a memory plan's (apply)
         self.micro_batch_tokens = 16384 if cfg.micro_batch_tokens is None else cfg.micro_batch_tokens
-        """The token budget of a packed micro-batch: the config's, 16,384, or a memory plan's (apply)."""
         if self.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
         budget = cfg.activation_memory_budget
@@ -123,38 +106,32 @@ class Trainer:
         if cfg.reference_offload and not cfg.reference:
             raise ValueError("reference_offload=True without reference=True: set reference=True too")
         load = dict(attention=cfg.attention, trust_remote_code=cfg.trust_remote_code)
-        self.compile = "inductor" if cfg.compile is True or (
+        self.compile = "inductor" if cfg.compile is True or (    # the torch.compile backend (None: eager)
             cfg.compile is None and self.device.type == "cuda") else cfg.compile or None
-        """The torch.compile backend of the decoder layers and the fused log-probs (None: eager)."""
         if cfg.activation_memory_budget is not None and self.compile is None:
             raise ValueError("activation_memory_budget is torch.compile's (its partitioner decides what "
                              "backward recomputes), and this trainer runs eager: set compile=True, or "
                              "drop activation_memory_budget")
         self.memory_budget = 1.0 if cfg.activation_memory_budget is None else cfg.activation_memory_budget
-        """The activation memory budget the decoder layers compile with (see TrainerConfig)."""
         self.model = load_fsdp_model(self.path, self.device, self.rank.world_size, self.compute_dtype,
                                      activation_checkpointing=cfg.activation_checkpointing or False,
                                      lora=cfg.lora, offload=cfg.cpu_offload, compile=self.compile, **load)
-        self.reference = None
-        """The frozen reference policy (FSDP2, eval mode), unless LoRA's base model serves as one."""
+        self.reference = None     # the frozen reference policy (FSDP2, eval), unless LoRA's base model is one
         if cfg.reference and (cfg.lora is None or cfg.lora.also_train):
             self.reference = load_fsdp_model(self.path, self.device, self.rank.world_size, self.compute_dtype,
                                              offload=cfg.reference_offload, dtype=self.compute_dtype,
                                              **load).requires_grad_(False).eval()
         torch.manual_seed(cfg.seed + self.rank.rank)               # per rank from here on (dropout)
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
-                                           lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                           weight_decay=cfg.weight_decay,
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
+                                           betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                                            fused=self.device.type == "cuda" and not cfg.cpu_offload)
         with _explain_oom(self, "allocating AdamW's state at load"):
             _allocate_state(self.optimizer)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.optimizer.register_step_post_hook(lambda *_: setattr(self, "stepped", True))
-        self.policy_version = 0
-        """The version of the last published weights (publish() counts them)."""
-        self.stepped = False
-        """True when the optimizer stepped since the last publish()."""
+        self.policy_version = 0           # the version of the last published weights (publish() counts them)
+        self.stepped = False              # the optimizer stepped since the last publish()
         self._state_host: list[tuple[torch.Tensor, torch.Tensor]] | None = None   # (device, host) pairs
         self._state_where = "device"      # "device", "to_host" (copies in flight) or "host"
         self._state_ready: torch.cuda.Event | None = None   # the copies back, for the next step
@@ -163,16 +140,11 @@ class Trainer:
 
     def forward_backward(self, rollouts, loss_fn, *, temperature: float = 1.0,
                          num_global_tokens: int | None = None, entropy: bool = True) -> dict[str, float]:
-        """Accumulate the gradient of sum(loss_fn's per-token loss) / num_global_tokens.
-
-        `rollouts` are this rank's (any split: see rebalance). num_global_tokens defaults to the
-        scored tokens of every rank's rollouts (an all-reduce), which makes the result the token
-        mean over the global batch; pass it to spread one batch over several calls. Ranks may
-        hold different numbers of micro-batches (the short ones run empty passes). With entropy,
-        loss_fn's batch.entropy holds each scored token's entropy at `temperature`, from the same
-        pass over the logits as the log-probs. Returns the global token means of the loss and of
-        every value loss_fn reports, and "tokens".
-        """
+        """Accumulate the gradient of sum(loss_fn's per-token loss) / num_global_tokens over this rank's
+        `rollouts`. num_global_tokens defaults to the scored tokens of every rank's rollouts (the token
+        mean over the global batch). With entropy, batch.entropy holds each scored token's entropy at
+        `temperature`. Returns the global token means of the loss and of every value loss_fn reports,
+        "tokens" and "micro_batches"."""
         with _explain_oom(self, f"forward_backward (micro-batches of <= {self.micro_batch_tokens} tokens)"):
             return self._forward_backward(list(rollouts), loss_fn, temperature, num_global_tokens, entropy)
 
@@ -265,11 +237,10 @@ class Trainer:
                    for t in st.values() if torch.is_tensor(t) and t.device.type == self.device.type)
 
     def optimizer_to_host(self, *, wait: bool = True) -> None:
-        """Copy AdamW's state into host buffers (pinned on CUDA, made at the first call), then free
-        its device memory: the tensors stay, holding no storage, so a co-located engine can use
-        that memory while it generates. On CUDA the copies run on a side stream; wait=False returns
-        at once (the device is freed by the next call, or optimizer_to_device()). The verbs that
-        read the state (optim_step, checkpoints) bring it back themselves."""
+        """Copy AdamW's state into host buffers (pinned on CUDA), then free its device memory (the
+        tensors stay, holding no storage) for a co-located engine. On CUDA the copies run on a side
+        stream; wait=False returns at once (the device is freed by the next call, or
+        optimizer_to_device()). optim_step and checkpoints bring the state back themselves."""
         cuda = self.device.type == "cuda"
         if self._state_where == "device":
             if self._state_host is None:
@@ -288,9 +259,8 @@ class Trainer:
             self._state_where = "host"
 
     def optimizer_to_device(self) -> None:
-        """Bring AdamW's state back from optimizer_to_host(): its device memory is allocated now
-        (before a training step's activations, so in segments of its own), the copies run on a side
-        stream beside the step's forward and backward, and optim_step waits for them."""
+        """Bring AdamW's state back from optimizer_to_host(): allocated now (before a step's
+        activations), copied on a side stream beside the step's forward and backward."""
         if self._state_where == "to_host":
             self.optimizer_to_host()
         if self._state_where != "host":
@@ -441,11 +411,8 @@ class Trainer:
 
 def _allocate_state(optimizer: torch.optim.Optimizer) -> None:
     """AdamW's moments, allocated by a step of AdamW over zero gradients at lr 0 (moments zero,
-    weights unchanged, step count back to 0): the state the first real step would create. At load,
-    on a device holding only the weights, it lies in segments of its own; made by the first step,
-    it filled blocks the activations had freed that the allocator could not return: at the Qwen3-4B
-    shape on an H200, 4.8 GiB reserved but unallocated when the second training step ran out of
-    memory, 5.6 GiB when the engine's generation beside the trainer did (1,024-token completions)."""
+    weights unchanged, step count back to 0): at load they lie in segments of their own, not in
+    blocks the first step's activations freed (which fragmented the device)."""
     lrs = [g["lr"] for g in optimizer.param_groups]
     for p in (p for g in optimizer.param_groups for p in g["params"]):
         p.grad = torch.zeros_like(p)

@@ -1,11 +1,9 @@
 """Moving full weights from the trainer (rank 0) to generation workers, two ways; CPU or GPU.
 
-- Object store: `pack_bucket` makes a bucket [(name, tensor)] numpy arrays (bf16 viewed as int16);
-  the trainer `ray.put`s each bucket once, every generator `ray.get`s it (zero-copy from the node's
-  shared memory) and `unpack_bucket`s it onto its device.
-- Collective broadcast: `BroadcastGroup`, a standalone process group (gloo on CPU, NCCL on CUDA, with
-  a timeout) over a TCPStore hosted by the trainer (rank 0; generators 1..), apart from the trainer's
-  FSDP world and each generator's vLLM world. One flat buffer per dtype per bucket.
+- Object store: `pack_bucket` makes a bucket [(name, tensor)] numpy arrays for ray.put (bf16 viewed
+  as int16); every generator ray.gets it and `unpack_bucket`s it onto its device.
+- Collective broadcast: `BroadcastGroup`, a standalone process group (gloo on CPU, NCCL on CUDA)
+  over a TCPStore hosted by the trainer (rank 0; generators 1..). One flat buffer per dtype per bucket.
 Pure torch + numpy (no ray import): actors and TrainWorker do the calling.
 """
 

@@ -56,10 +56,9 @@ class ManagedLLM(LLM):
 
 
 def engine_kwargs(user: dict, *, sleep: bool, seed: int, colocated: bool = True) -> dict:
-    """The user's LLM kwargs over in-process defaults: the seed; processed log-probs (they include
-    temperature, as get_logprobs(..., temperature=T)); co-located, external_launcher (else an error);
-    on CUDA sleep mode when asked (build_llm adds the CUDA-graph mode, which depends on the model:
-    default_compilation); on CPU eager and a small KV cache."""
+    """The user's LLM kwargs over in-process defaults: the seed; processed log-probs (temperature
+    included, as get_logprobs(..., temperature=T)); co-located, external_launcher (else an error);
+    on CUDA sleep mode when asked; on CPU eager and a small KV cache."""
     kw = {"logprobs_mode": "processed_logprobs", "seed": seed, **user}
     if colocated:
         backend = kw.setdefault("distributed_executor_backend", "external_launcher")
@@ -80,12 +79,9 @@ def engine_kwargs(user: dict, *, sleep: bool, seed: int, colocated: bool = True)
 
 
 def default_compilation(kw: dict, head_dim: int, capability: tuple[int, int]) -> dict | None:
-    """The compilation_config build_llm gives a CUDA engine whose kwargs name none (None: vLLM's
-    own mode). enforce_eager, adapter serving (not measured under full graphs) and a user's
-    compilation_config keep theirs. On Hopper (FULL_GRAPHS_ON) full CUDA graphs for every step,
-    those that mix prefill and decode too, where they compute what eager does (FULL_GRAPHS_HEAD_DIMS);
-    for other head sizes full graphs for decode steps only, the others compiled without graphs.
-    Elsewhere vLLM's own mode (full graphs for decode, piecewise ones for mixed steps)."""
+    """The compilation_config build_llm gives a CUDA engine whose kwargs name none (None: vLLM's own
+    mode; also with enforce_eager or enable_lora). On FULL_GRAPHS_ON: full CUDA graphs for every step
+    at FULL_GRAPHS_HEAD_DIMS, for decode steps only at other head sizes."""
     if "compilation_config" in kw or kw.get("enforce_eager") or kw.get("enable_lora"):
         return None
     if capability[0] not in FULL_GRAPHS_ON:
@@ -95,17 +91,11 @@ def default_compilation(kw: dict, head_dim: int, capability: tuple[int, int]) ->
 
 FULL_GRAPHS_ON = (9,)
 """CUDA compute capabilities (major) whose default attention backend (FlashAttention 3 on Hopper)
-captures full CUDA graphs for steps that mix prefill and decode too, which episodes and any
-continuous batching run all the time. Measured on one H200 (Qwen3-0.6B shape, 195k sampled tokens):
-a raw llm.generate 11.9 s under vLLM's own mode, 7.8 s under FULL (benchmarks/results/2026-12-02-b)."""
+captures full CUDA graphs for mixed prefill and decode steps too (benchmarks/results/2026-12-02-b)."""
 
 FULL_GRAPHS_HEAD_DIMS = (128,)
-"""Head sizes at which vLLM 0.22's FlashAttention 3 replays steps that hold a prefill from a full
-CUDA graph exactly (benchmarks/engine_exact.py on one H200, benchmarks/results/2026-12-04-c: prompt
-log-probs within 0.002-0.005 of HF's at head_dim 128, as eager). At head_dim 64 the replayed
-prefill attention is wrong (random Qwen3 models: 0.13 / 0.20 mean error on prompt log-probs, 0.001
-eager; sampled tokens unaffected) and on SmolLM2-135M the capture of those graphs fails (an illegal
-memory access in FlashAttention's split-KV combine kernel); decode-only graphs are exact there."""
+"""Head sizes at which those full graphs replay prefills exactly; at head_dim 64 they do not (or
+fail to capture), decode-only graphs do (benchmarks/engine_exact.py, benchmarks/results/2026-12-04-c)."""
 
 
 def build_llm(model: str, **kwargs) -> ManagedLLM:
@@ -118,8 +108,7 @@ def build_llm(model: str, **kwargs) -> ManagedLLM:
                                    torch.cuda.get_device_capability())
         kwargs = kwargs if mode is None else {**kwargs, "compilation_config": mode}
     llm = ManagedLLM(model=model, **kwargs)
-    # every weight load resets the prefix cache (each co-located step): not an INFO line each time
-    # (set after the engine is built: building it reconfigures vLLM's loggers)
+    # every weight load resets the prefix cache: no INFO line each time (set after building the engine)
     logging.getLogger("vllm.v1.core.block_pool").setLevel(logging.WARNING)
     return llm
 
@@ -148,10 +137,9 @@ def get_model(llm: LLM) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def weight_update(llm: LLM):
-    """Load new checkpoint-format weights (any float dtype: vLLM casts) in place, bucket by bucket:
-    straight on CUDA if unquantized, else (CPU repacks linears, quantized models transform theirs, or
-    MINIRL_LAYERWISE_RELOAD=1) through vLLM's layerwise reload. Send every layer: a layer that
-    receives nothing keeps its old weights.
+    """Load new checkpoint-format weights (any float dtype) in place, bucket by bucket: straight on
+    CUDA if unquantized, else (CPU, quantized, or MINIRL_LAYERWISE_RELOAD=1) through vLLM's
+    layerwise reload. Send every layer: a layer that receives nothing keeps its old weights.
 
         with weight_update(llm) as load:
             for bucket in buckets:      # [(hf_name, tensor), ...] grouped by layer
@@ -169,7 +157,7 @@ def weight_update(llm: LLM):
         if direct and os.environ.get("MINIRL_LAYERWISE_RELOAD") != "1":
             yield load
             return
-        try:                         # only to keep its log true (below); a vLLM without it logs as before
+        try:                         # only to keep its log true (below)
             from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
         except ImportError:
             get_layerwise_info = None
@@ -213,9 +201,8 @@ def fingerprint(llm: LLM) -> int:
 
 
 def fingerprinted_names(llm: LLM) -> set[str] | None:
-    """The weights fingerprint(llm) can see, where that is not all of them: on CPU vLLM repacks the
-    linear layers' weights out of sight (their parameters are empty), leaving embeddings and norms,
-    named as in the checkpoint. None: every weight (CUDA)."""
+    """The weights fingerprint(llm) can see where that is not all of them (CPU: embeddings and
+    norms, vLLM repacks linear weights out of sight); None: every weight (CUDA)."""
     if not ON_CPU:
         return None
     return {n for n, p in get_model(llm).named_parameters() if p.numel() and p.is_floating_point()}
@@ -231,8 +218,7 @@ def sleep(llm: LLM, level: int) -> None:
 
 
 def wake(llm: LLM, tags: list[str]) -> None:
-    """Wake parts of a sleeping engine: "weights", then (after loading) "kv_cache". (0.22 resumes
-    scheduling on any wake, 0.32 once all are resident: the same here, nothing runs in between.)"""
+    """Wake parts of a sleeping engine: "weights", then (after loading) "kv_cache"."""
     llm.wake_up(tags=tags)
 
 
@@ -264,15 +250,11 @@ def shutdown(llm: LLM) -> None:
         core.shutdown()
 
 
-# -- the engine's request loop (minirl.episodes): LLMEngine.add_request / step / abort_request, the
-# same calls in 0.22 and 0.32 (0.32 appends a random suffix to its internal id; outputs carry ours).
+# -- the engine's request loop (minirl.episodes): the same calls in 0.22 and 0.32
 
 def request_params(**kwargs) -> SamplingParams:
-    """SamplingParams for add_request: the engine reports a request once, when it finishes
-    (FINAL_ONLY; the default re-builds every running request's output at every step), with its
-    log-probs in flat lists (no dict and Logprob object per token). Both cut host time per step. Each
-    request gets its own, so the engine need not deep-copy it (skip_clone: ~40% of add_request's
-    host time on CPU)."""
+    """SamplingParams for add_request, cheap on the host: reported once, when finished (FINAL_ONLY),
+    log-probs in flat lists, and not deep-copied by the engine (skip_clone: each request has its own)."""
     from vllm.sampling_params import RequestOutputKind
     own = {"skip_clone": True} if "skip_clone" in getattr(SamplingParams, "__struct_fields__", ()) else {}
     return SamplingParams(**{"output_kind": RequestOutputKind.FINAL_ONLY, "flat_logprobs": True, **own, **kwargs})
@@ -286,9 +268,9 @@ def sampled_logprobs(completion) -> list[float]:
     return [lps[i][t].logprob for i, t in enumerate(ids)]
 
 
-try:                                            # 0.32: the engine's own input type (a rendered prompt);
-    from vllm.inputs.engine import tokens_input   # a TokensPrompt is rendered again, with a deprecation
-except ImportError:                             # warning once per process. 0.22: no such module
+try:                                            # 0.32: the engine's own input type (a TokensPrompt
+    from vllm.inputs.engine import tokens_input   # warns); 0.22: no such module
+except ImportError:
     tokens_input = None
 
 
@@ -310,64 +292,3 @@ def abort_requests(llm: LLM, request_ids: list[str]) -> None:
 def max_model_len(llm: LLM) -> int:
     return int(llm.llm_engine.model_config.max_model_len)
 
-
-def lora_request(path: str, adapter_id: int):
-    """A request (`generate(..., lora_request=)`) for the PEFT adapter saved at `path` with
-    save_pretrained, on an engine built with enable_lora=True. An unseen adapter_id (>= 1) makes the
-    engine load the adapter from disk; the same id reuses the one it holds. (vllm.lora.request in
-    0.22 and 0.32, the same three arguments.)"""
-    from vllm.lora.request import LoRARequest
-    return LoRARequest(lora_name=f"adapter-{adapter_id}", lora_int_id=adapter_id, lora_path=str(path))
-
-
-def cudagraph_limit(llm: LLM) -> int | None:
-    """The most tokens a step may schedule and still replay a CUDA graph (None: no graphs, or unknown)."""
-    cc = getattr(getattr(llm.llm_engine, "vllm_config", None), "compilation_config", None)
-    sizes = getattr(cc, "cudagraph_capture_sizes", None)
-    return max(sizes) if sizes and getattr(cc, "cudagraph_mode", None) else None    # CUDAGraphMode.NONE is falsy
-
-
-@contextlib.contextmanager
-def recorded_steps(llm: LLM):
-    """Record every engine step of `llm` while inside (LLMEngine.step, also the ones LLM.generate runs):
-    yields a list that gains (seconds, scheduled tokens, prefill) per step, where prefill says whether
-    the batch whose output the step returned scheduled some request more than one token (a prompt or
-    a new turn's tokens; with speculative decoding also drafts). tokens and prefill are None where the
-    scheduler is out of reach (not in process) or the step returned no batch. Costs about a
-    microsecond a step: LLMEngine.step and the in-process scheduler's update_from_output (called with
-    the batch's SchedulerOutput when its output arrives, so also right under async scheduling) are
-    wrapped on their instances and restored on exit."""
-    import time
-    engine = llm.llm_engine
-    scheduler = getattr(getattr(getattr(engine, "engine_core", None), "engine_core", None), "scheduler", None)
-    steps: list[tuple[float, int | None, bool | None]] = []
-    batch: list = [None, None]          # (tokens, prefill) of the batch the running step returned
-    step, update = engine.step, getattr(scheduler, "update_from_output", None)
-
-    def timed_step():
-        batch[:] = None, None
-        t0 = time.perf_counter()
-        out = step()
-        steps.append((time.perf_counter() - t0, *batch))
-        return out
-
-    def update_from_output(scheduler_output, *args, **kwargs):
-        with contextlib.suppress(AttributeError, TypeError):
-            per_request = scheduler_output.num_scheduled_tokens
-            total = scheduler_output.total_num_scheduled_tokens
-            batch[:] = total, total > len(per_request)
-        return update(scheduler_output, *args, **kwargs)
-
-    saved = [(obj, name, vars(obj).get(name)) for obj, name in ((engine, "step"), (scheduler, "update_from_output"))
-             if obj is not None and hasattr(obj, "__dict__")]
-    engine.step = timed_step
-    if update is not None:
-        scheduler.update_from_output = update_from_output
-    try:
-        yield steps
-    finally:
-        for obj, name, old in saved:
-            if old is None:
-                vars(obj).pop(name, None)
-            else:
-                setattr(obj, name, old)

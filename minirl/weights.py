@@ -62,24 +62,23 @@ def bucket_layout(model: nn.Module, *, dtype: torch.dtype | None = None, bucket_
 
 
 @torch.no_grad()
-def full_weight_buckets(model: nn.Module, *, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20,
-                        device: torch.device | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yield [(hf_name, full tensor)] buckets covering every parameter once, cast to `dtype` and on
-    `device` when given. FSDP2: one bucket per unit via its unshard() (an all-gather in the param
-    dtype), one unit at a time; collective: every rank consumes every bucket. Plain modules:
-    ~bucket_bytes buckets. Tensors may alias storage freed at the next bucket: copy what you keep."""
+def full_weight_buckets(model: nn.Module, *, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20
+                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield [(hf_name, full tensor)] buckets covering every parameter once, cast to `dtype` when
+    given. FSDP2: one bucket per unit via its unshard() (an all-gather), one unit at a time;
+    collective: every rank consumes every bucket. Plain modules: ~bucket_bytes buckets. Tensors may
+    alias storage freed at the next bucket: copy what you keep."""
     reshard(model)
-    yield from _gather(_groups(model, bucket_bytes), _caster(dtype, device))
+    yield from _gather(_groups(model, bucket_bytes), _caster(dtype))
 
 
 @torch.no_grad()
 def gather_during_forward(model: nn.Module, forward, on_bucket, *, dtype: torch.dtype | None = None,
                           bucket_bytes: int = 512 << 20):
     """Run `forward()` (a no-grad forward of `model`), handing each FSDP unit's full parameters to
-    `on_bucket([(hf_name, tensor)])` while the forward has it unsharded (one unshard pass for both);
-    units it skipped, and plain modules, follow. Every parameter goes once, in full_weight_buckets'
-    buckets (tensors may alias storage freed after on_bucket returns). Returns forward()'s result,
-    the model resharded. Collective for FSDP2."""
+    `on_bucket([(hf_name, tensor)])` while the forward has it unsharded; units it skipped, and plain
+    modules, follow. Every parameter goes once, in full_weight_buckets' buckets. Returns forward()'s
+    result, the model resharded. Collective for FSDP2."""
     cast = _caster(dtype)
     reshard(model)
     groups = _groups(model, bucket_bytes)
@@ -102,8 +101,8 @@ def gather_during_forward(model: nn.Module, forward, on_bucket, *, dtype: torch.
     return out
 
 
-def _caster(dtype: torch.dtype | None, device: torch.device | None = None):
-    return lambda t: t.detach().to(device=device, dtype=dtype)     # None keeps the tensor's own
+def _caster(dtype: torch.dtype | None):
+    return lambda t: t.detach().to(dtype=dtype)     # None keeps the tensor's own
 
 
 def _bucket(unit: nn.Module, params, cast) -> list[tuple[str, torch.Tensor]]:
@@ -172,10 +171,8 @@ def check_tolerance(tolerance) -> None:
 def check_sync(gap: float, stuck: bool, *, tolerance: float | None, engine_dtype: torch.dtype,
                where: str, version: int) -> None:
     """Raise SyncError when the engine's weights did not change although the trainer's did
-    (`stuck`), or the probe gap exceeds the tolerance (default 2e-3 for fp32 engines, else 0.1).
-    A correct bf16 sync's gap is rounding and grows with the model: 0.008 / 0.024 / 0.026 / 0.052 at
-    random-init Qwen3 0.6B / 1.7B / 4B / 8B shapes on an H200; an engine with noisy weights showed
-    0.56-2.2, and a load that changed nothing is caught by the checksums (`stuck`) whatever the gap."""
+    (`stuck`), or the probe gap exceeds the tolerance (default 2e-3 for fp32 engines, else 0.1: a
+    correct bf16 sync's rounding grows with the model, 0.008 at 0.6B to 0.052 at 8B)."""
     check_tolerance(tolerance)
     if tolerance is None:
         tolerance = 2e-3 if engine_dtype == torch.float32 else 0.1

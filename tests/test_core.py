@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from minirl.core import (
     AGGREGATIONS, aggregate, approx_kl, clip_fraction, clipped_policy_loss, compute_advantages,
-    entropy_from_logits, get_logprobs, token_logprobs, kl_k1, kl_k2, kl_k3, log_ratio_stats,
+    entropy_from_logits, get_logprobs, token_logprobs, kl_k1, kl_k2, kl_k3,
     masked_importance_weights, masked_mean, truncated_importance_weights,
 )
 
@@ -646,22 +646,6 @@ def test_approx_kl_hand_worked():
     close(approx_kl(new, old), (0.5 - 1 + L(2)) / 2)
     close(approx_kl(new, old, t([1, 0])), 0.5 - 1 + L(2))
     close(approx_kl(torch.cat([t([-3.0]), new]), old), (0.5 - 1 + L(2)) / 2)   # right-aligned
-
-
-def test_log_ratio_stats_hand_worked():
-    # diffs = log [1.2, 0.6, 3] = [0.182322, -0.510826, 1.098612]
-    d = [L(1.2), L(0.6), L(3.0)]
-    s = log_ratio_stats(TRAIN, SAMP)
-    assert set(s) == {"logprob_diff_mean", "logprob_diff_max", "ratio_mean"}
-    assert all(isinstance(v, float) for v in s.values())
-    close(s["logprob_diff_mean"], sum(abs(x) for x in d) / 3, atol=1e-6)     # 0.597253
-    close(s["logprob_diff_max"], L(3.0), atol=1e-6)
-    close(s["ratio_mean"], (1.2 + 0.6 + 3.0) / 3, atol=1e-6)                   # 1.6
-    # mask [1, 1, 0]: mean |d| = (0.182322 + 0.510826)/2, max 0.510826, mean ratio (1.2+0.6)/2
-    s = log_ratio_stats(torch.cat([t([-5.0]), TRAIN]), SAMP, t([1, 1, 0]))
-    close(s["logprob_diff_mean"], (abs(d[0]) + abs(d[1])) / 2, atol=1e-6)
-    close(s["logprob_diff_max"], abs(d[1]), atol=1e-6)
-    close(s["ratio_mean"], 0.9, atol=1e-6)
 
 
 # ==============================================================================================

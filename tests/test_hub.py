@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minirl.data import Rollout, RolloutBatch
-from minirl.hub import PromptItem, RolloutHub
+from minirl.hub import PromptItem, RolloutHub, admission_room
 
 
 def batch(uid, version=0, g=2) -> RolloutBatch:
@@ -550,3 +550,12 @@ def test_the_server_rejoins_with_its_generators_versions():
     hub = RolloutHub(max_batches=4, restarted=True)
     hub.rejoin_server(prompts(range(4)), True, {"g": None}, versions=[66, 67])
     assert hub.rollback([], 65) == 69
+
+
+def test_admission_room_by_hand():
+    """Rule (a) alone: dues of the open prompts, deadline, version, batch size B, taken, max_batches."""
+    assert admission_room([], 0, 0, 2, 0, 4) == 2           # max_staleness 0: one step's B prompts
+    assert admission_room([0, 0], 0, 0, 2, 0, 4) == 0       # two open ones fill that step
+    assert admission_room([], 0, 0, 2, 2, 4) == 0           # this version's step took its B already
+    assert admission_room([], 1, 0, 2, 0, 3) == 3           # two steps' room, capped by max_batches
+    assert admission_room([2, 2, 2], 1, 0, 2, 0, 8) == 3    # by t=2: 3 steps x 2 - the 3 due then
