@@ -44,8 +44,8 @@ class GenerationActor:
         self.gen = Generator(model, **kw)
         self.group = None
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        self._bootstrap()
         self._call(self.queue.register_worker, worker_id, ray.get_runtime_context().current_actor)
+        self._bootstrap()            # after registering: a push it is not told of published before it reads
 
     def _call(self, method, *args):
         """A queue call, made again if the queue's actor restarts meanwhile (placement.call)."""

@@ -47,7 +47,7 @@ class WeightPusher:
     def push(self) -> dict:
         tr, t = self.trainer, {}
         version = tr.publish()
-        gens = placement.call(self.queue.workers, timeout_s=self.timeout, what="rollout queue") if self.rank0 else {}
+        workers = lambda: placement.call(self.queue.workers, timeout_s=self.timeout, what="rollout queue")  # noqa: E731
         sent = [0]
 
         def count(bucket):
@@ -60,10 +60,10 @@ class WeightPusher:
                 self.published = {"refs": refs, "probe_ids": self.probe, "dtype": tr.compute_dtype,
                                    "logprobs": None if lp is None else lp.tolist()}
                 placement.call(self.queue.set_version, version, self.published, timeout_s=self.timeout,
-                               what="rollout queue")
-                acks = {w: h.load_from_store.remote(version, refs, self.probe) for w, h in gens.items()}
+                               what="rollout queue")      # then who to tell: one registering later reads it
+                acks = {w: h.load_from_store.remote(version, refs, self.probe) for w, h in workers().items()}
         else:
-            acks, send = (self._broadcast_to(gens, version, t) if self.rank0 else ({}, None))
+            acks, send = (self._broadcast_to(workers(), version, t) if self.rank0 else ({}, None))
             fp, lp = tr.gather((lambda b: (count(b), send(b))) if send else (lambda b: None),
                                dtype=tr.compute_dtype, probe_ids=self.probe, names=self._seen)
             if self.rank0:
