@@ -12,7 +12,7 @@ The baseline generates, on the same engine and path, E single-turn requests of e
 sampled length. Reported: sampled tokens/s of each (after a warm-up of both), and their ratio
 (target >= 0.9: tool waits hidden by concurrency); a raw `llm.generate` of the baseline as a check
 of the path's own overhead. Where the time goes, per run: engine steps, seconds inside them
-(engine_steps.recorded_steps) vs the loop's own (wall minus steps: admission, the asyncio loop, tool
+(vllm_compat.recorded_steps) vs the loop's own (wall minus steps: admission, the asyncio loop, tool
 waits with nothing to step, Rollout assembly), ms per step, and the steps whose batch held prefill
 tokens (a prompt, a new turn) against decode-only ones, with their mean ms. Writes --out (JSON) and a
 markdown table beside it. Random-init weights (benchmarks/models.py), nothing downloaded.
@@ -66,9 +66,9 @@ def single_turn(runner, work: list[dict], prompts: list[list[int]]) -> dict:
 
 def timed(llm, fn, runner=None) -> dict:
     """Run fn (RolloutBatches through runner, or llm.generate's outputs) with its engine steps recorded."""
-    from engine_steps import cudagraph_limit, recorded_steps
+    from minirl import vllm_compat as vc
     before = dict(runner.stats) if runner is not None else {}
-    with recorded_steps(llm) as steps:
+    with vc.recorded_steps(llm) as steps:
         t0 = time.perf_counter()
         batches = fn()
         wall = time.perf_counter() - t0
@@ -84,11 +84,11 @@ def timed(llm, fn, runner=None) -> dict:
                    loop_turns=runner.stats["yields"] - before["yields"],   # event-loop turns between steps
                    busy_s=round(runner.stats["busy_s"] - before["busy_s"], 3),   # steps + admissions
                    idle_s=round(runner.stats["idle_s"] - before["idle_s"], 3))   # every episode in a tool
-    return {**out, **step_summary(steps, wall - out.get("idle_s", 0.0), cudagraph_limit(llm))}
+    return {**out, **step_summary(steps, wall - out.get("idle_s", 0.0), vc.cudagraph_limit(llm))}
 
 
 def step_summary(steps: list[tuple], wall: float, graph_limit: int | None = None) -> dict:
-    """Engine steps of one run (engine_steps.recorded_steps' records): how many, seconds inside them,
+    """Engine steps of one run (vllm_compat.recorded_steps' records): how many, seconds inside them,
     the rest of `wall` (the run's time less idle waits: the loop's own), mean ms a step; steps whose
     batch held prefill tokens vs decode-only ones (None where the scheduler was out of reach), the
     prefill steps' mean scheduled tokens, and how many steps scheduled more tokens than the largest

@@ -134,7 +134,7 @@ def run_minirl(args, model: str) -> dict:
 
 
 def _record_engine_steps(mod) -> list[dict]:
-    """Each generation phase's engine steps (engine_steps.recorded_steps around the loop's
+    """Each generation phase's engine steps (vllm_compat.recorded_steps around the loop's
     run_episodes): how many, their mean milliseconds, the most tokens one scheduled (the sequences
     decoding at once) and how many mixed in prefill; and the phase's wall, this thread's CPU
     seconds and the seconds in Python's garbage collector (a CPU-bound engine loop shows CPU
@@ -144,7 +144,7 @@ def _record_engine_steps(mod) -> list[dict]:
     import gc
     import os
     import torch
-    from engine_steps import recorded_steps
+    from minirl import vllm_compat as vc
     calls, real, in_gc = [], mod.run_episodes, [0.0, 0.0, 0]
 
     def collecting(phase, info):
@@ -163,7 +163,7 @@ def _record_engine_steps(mod) -> list[dict]:
         every, (retries, allocs) = time.process_time(), allocator()
         gc.callbacks.append(collecting)
         try:
-            with recorded_steps(llm) as steps:
+            with vc.recorded_steps(llm) as steps:
                 out = real(llm, *a, **kw)
         finally:
             gc.callbacks.remove(collecting)

@@ -5,7 +5,6 @@ limits, tool waits overlapped with generation. Needs: CPU only; the shared tiny 
 """
 
 import asyncio
-import sys
 import threading
 import time
 
@@ -15,11 +14,6 @@ from minirl import episodes, vllm_compat as vc
 from minirl.data import collate
 from minirl.episodes import EpisodeConfig, EpisodeRunner, chat_delta, run_episodes, single_turn
 from minirl.recipes.tiny import build_tokenizer
-
-from conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from engine_steps import recorded_steps  # noqa: E402
 
 # Qwen3's rule in small: an assistant turn before the last message loses its <think>...</think> part.
 TEMPLATE = ("{% for m in messages %}{% if m.role == 'assistant' %}{% set c = m.content %}"
@@ -360,10 +354,9 @@ def test_admission_wait_groups_new_turns_and_keeps_tokens(wm):
 
 
 def test_recorded_steps_time_every_step_and_mark_prefill(wm, monkeypatch):
-    """recorded_steps (benchmarks/engine_steps.py) sees every engine step of both loops (EpisodeRunner's,
-    llm.generate's). Hand count: two 4-token prompts entering together, 6 tokens each -> step 1
-    schedules 2 x 4 prompt tokens (prefill), steps 2-6 one token per request (decode-only); on exit
-    the engine is as before. The
+    """vc.recorded_steps sees every engine step of both loops (EpisodeRunner's, llm.generate's). Hand
+    count: two 4-token prompts entering together, 6 tokens each -> step 1 schedules 2 x 4 prompt tokens
+    (prefill), steps 2-6 one token per request (decode-only); on exit the engine is as before. The
     runner lets the event loop turn only when something can run: at most once after entering (tasks
     that started the requests) and once when both turns end (step 6), not at every step."""
     llm = wm.as_vllm()
@@ -374,13 +367,13 @@ def test_recorded_steps_time_every_step_and_mark_prefill(wm, monkeypatch):
 
     runner = EpisodeRunner(llm)
     monkeypatch.setattr(episodes, "_QUIET_S", 60.0)     # CPU steps may be slower than its default
-    with recorded_steps(llm) as steps:
+    with vc.recorded_steps(llm) as steps:
         runner.run(episode, ["1+1=", "2+1="])
     assert [(n, p) for _, n, p in steps] == [(8, True)] + [(2, False)] * 5
     assert len(steps) == runner.stats["steps"] and 0 < sum(s for s, _, _ in steps) <= runner.stats["busy_s"]
     assert 1 <= runner.stats["yields"] <= 2
     assert "step" not in vars(llm.llm_engine)
-    with recorded_steps(llm) as steps:
+    with vc.recorded_steps(llm) as steps:
         llm.generate([vc.TokensPrompt(prompt_token_ids=[3, 4, 5])], vc.SamplingParams(max_tokens=2, ignore_eos=True),
                      use_tqdm=False)
     assert [(n, p) for _, n, p in steps] == [(3, True), (1, False)] and all(s > 0 for s, _, _ in steps)
