@@ -17,10 +17,9 @@ plan.user_set), the rest planned. Decisions on measurements take the largest ove
    from the largest PLANNED_TOKENS down (16,384 at most beside a resident engine), a trial where
    the line fits at budget 1 (or the one set), then (compiled, budget left) at LOW_MEMORY_BUDGET
    where _BUDGET_BOUND of its activations fit; the first that fits wins; none: 16,384 tokens and
-   the fewest layers. Size set: halved (a warning) when the line says only half fits (the one
-   value set that changes); a trial where it fits, else the fewest layers: a trial recomputing
-   every layer, then the count on the line between the nearest trials that fit and do not (out of
-   memory: the range halves), four trials at most.
+   the fewest layers. Size set: kept (as every setting the user gives); a trial where the line says
+   it fits, else the fewest layers: a trial recomputing every layer, then the count on the line
+   between the nearest trials that fit and do not (out of memory: the range halves), four at most.
 4. AdamW's state to the host while generating (offload_optimizer left) where the engine sleeps, the
    KV cache wanted (kv_cache_gib, else max_num_seqs x max_model_len) would leave less than the
    headroom free beside the trainer, and the host has 1.5x the state + 4 GiB.
@@ -144,7 +143,7 @@ def _as_loaded(trainer: Trainer, n: int | None = None) -> MemoryPlan:
     tc, n = trainer.config, n or trainer.micro_batch_tokens
     return MemoryPlan(micro_batch_tokens=n, recomputed_layers=trainer.recomputed_layers,
                       activation_memory_budget=trainer.memory_budget, user_set=tuple(k for k, v in [
-                          ("micro_batch_tokens", n == tc.micro_batch_tokens or None),   # halved: planned
+                          ("micro_batch_tokens", tc.micro_batch_tokens),
                           ("recomputed_layers", tc.activation_checkpointing),
                           ("activation_memory_budget", tc.activation_memory_budget)] if v is not None))
 
@@ -227,7 +226,8 @@ def measure_peak(trainer: Trainer, reserve: int = 0, largest: int | None = None)
     if tc.micro_batch_tokens is None:
         n, peak, none = _largest_that_fits(trial, largest)
         return trial.verdict(n, peak if peak is not None else _fewest_layers(trial, n, none))
-    n, none = _halved(trial, n) if n >= 64 else (n, None)    # the full micro-batch's peak, predicted
+    line = trial.line(n)[1] if n >= 64 else None
+    none = None if line is None else line(n)                # the full micro-batch's peak, predicted
     if n < 64 or (none is not None and none <= trial.limit):
         peak = trial(n, 0)
         if peak is not None and peak <= trial.limit:
@@ -297,18 +297,6 @@ def _largest_that_fits(trial: _Trials, largest: int | None) -> tuple[int, int | 
                 return m, peak, None
     tr.use_memory_budget(budget)
     return n, None, line(n)
-
-
-def _halved(trial: _Trials, n: int) -> tuple[int, float | None]:
-    """(n, its peak on the small trials' line; None: out of memory), or (n // 2, its peak) when
-    only half of n would fit."""
-    _, line = trial.line(n)
-    if line is not None and line(n) > trial.limit and line(n // 2) <= trial.limit:   # nothing recomputed: faster
-        log.warning("micro_batch_tokens %d -> %d: a full micro-batch would not fit in training memory "
-                    "without recomputation (%.1f GiB usable); activation_checkpointing=True keeps %d",
-                    n, n // 2, trial.limit / GIB, n)
-        return n // 2, line(n // 2)
-    return n, None if line is None else line(n)
 
 
 def _fewest_layers(trial: _Trials, n: int, none: float | None) -> int | None:

@@ -414,13 +414,14 @@ def test_training_that_would_not_fit_beside_the_sleeping_engine_recomputes_or_is
     assert not chosen.model.is_gradient_checkpointing
 
 
-@pytest.mark.parametrize("per_token_mib, expect", [(0.25, (16384, False)), (0.5, (8192, False)), (1.0, (16384, True))])
-def test_a_micro_batch_that_does_not_fit_is_halved_before_recomputation(tiny_model, monkeypatch, per_token_mib, expect):
-    """measure_peak left to itself (activation_checkpointing None), its trials stood in for: a peak of
-    2 GiB + per_token_mib per token (a quarter of that when recomputing), AdamW 1 GiB, 10 GiB usable.
-    16384 tokens at 0.25 MiB: 7 GiB, fits. At 0.5 MiB: 11 GiB does not, 8192 tokens (7 GiB) do, so the
-    micro-batch is halved and nothing recomputed. At 1 MiB: 8192 tokens (11 GiB) do not fit either,
-    so the full micro-batch recomputes (2 + 4 + 1 = 7 GiB)."""
+@pytest.mark.parametrize("per_token_mib, expect", [(0.25, (16384, False)), (0.5, (16384, True)), (1.0, (16384, True))])
+def test_a_micro_batch_the_user_set_is_kept_and_recomputes_when_it_does_not_fit(tiny_model, monkeypatch,
+                                                                                  per_token_mib, expect):
+    """measure_peak with micro_batch_tokens set and activation_checkpointing left, its trials stood in
+    for: a peak of 2 GiB + per_token_mib per token (a quarter of that when recomputing), AdamW 1 GiB,
+    10 GiB usable. 16384 tokens at 0.25 MiB: 7 GiB, fits. At 0.5 MiB 11 GiB does not: the size the
+    user set is kept and layers recompute (2 + 2 + 1 = 5 GiB), though 8,192 tokens would fit; at 1 MiB
+    likewise (2 + 4 + 1 = 7 GiB)."""
     from minirl.trainer import Trainer, TrainerConfig
     gib = 2**30
     tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, micro_batch_tokens=16384))
@@ -494,12 +495,12 @@ def test_a_planned_micro_batch_tries_the_low_memory_budget_before_shorter_rows(
 
 
 @pytest.mark.parametrize("kw, tokens, user_set", [
-    ({}, 8192, ()), (dict(micro_batch_tokens=16384), 8192, ()),
+    ({}, 8192, ()), (dict(micro_batch_tokens=16384), 16384, ("micro_batch_tokens",)),
     (dict(micro_batch_tokens=4096, activation_checkpointing=False), 4096, ("micro_batch_tokens", "recomputed_layers"))])
 def test_a_plan_leaves_the_config_as_given_and_names_what_was_set(tiny_model, monkeypatch, kw, tokens, user_set):
     """The plan reaches the trainer through apply(); the user's TrainerConfig is the same object,
-    unchanged. Stood-in trials of 2 GiB + 0.5 MiB a token, AdamW 1 GiB, 10 GiB usable: left to it,
-    8,192 tokens fit (7 GiB), 16,384 (11) do not; a 16,384 the user set is halved (so planned); a
+    unchanged. Stood-in trials of 2 GiB + 0.5 MiB a token (a quarter recomputing), AdamW 1 GiB, 10 GiB usable: left to it,
+    8,192 tokens fit (7 GiB), 16,384 (11) do not; a 16,384 the user set is kept (layers recompute); a
     4,096 set with activation_checkpointing=False is kept and named as set. On CPU nothing is
     measured, the trainer's settings given are named as set too, and the engine's are not (CUDA's)."""
     from minirl.colocated import WeightManagerConfig
@@ -511,7 +512,7 @@ def test_a_plan_leaves_the_config_as_given_and_names_what_was_set(tiny_model, mo
     assert cpu.user_set == tuple(k for k in ("micro_batch_tokens", "recomputed_layers") if k in kw or
                                  k == "recomputed_layers" and "activation_checkpointing" in kw)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
-    monkeypatch.setattr(memory, "trial_peak", lambda _, n: int(2 * gib + n * 2**19) + gib)
+    monkeypatch.setattr(memory, "trial_peak", lambda _, n: int(2 * gib + n * 2**19 / (4 if tr.recomputed_layers else 1)) + gib)
     plan = memory.measure_peak(tr, reserve=2 * gib)
     tr.apply(plan)
     assert tr.config is cfg and cfg == TrainerConfig(lr=1e-3, **kw)
@@ -700,12 +701,12 @@ tr.close()
 @pytest.mark.slow
 def test_every_rank_takes_the_memory_decision_of_the_shortest(tiny_model, tmp_path):
     """Two ranks whose stood-in trials and free memory differ: alone, rank 0 would keep 16,384-token
-    micro-batches without recomputation (the test above); agreed, both halve them (rank 1's trial: 11
-    GiB at 16,384 tokens, 7 GiB at 8,192, of 10 usable) and both recompute once the engine sleeps
-    (rank 1 lacks 4 GiB), so their collectives stay in step."""
+    micro-batches without recomputation (the test above); agreed, both keep the 16,384 set and
+    recompute (rank 1's line: 11 GiB at 16,384 tokens of 10 usable; recomputing, 5 GiB), and all
+    layers once the engine sleeps (rank 1 lacks 4 GiB), so their collectives stay in step."""
     script = tmp_path / "memory_ranks.py"
     script.write_text(MEMORY_RANKS.format(model=tiny_model, out=str(tmp_path)))
     res = run_py(["-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)], timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     got = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
-    assert got[0] == got[1] == [8192, 7.0, True]
+    assert got[0] == got[1] == [16384, 5.0, True]
