@@ -44,8 +44,9 @@ class GenerationActor:
         self.gen = Generator(model, **kw)
         self.group = None
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self._bootstrap()            # before registering: a push told of it meanwhile would fail (restarting)
         self._call(self.queue.register_worker, worker_id, ray.get_runtime_context().current_actor)
-        self._bootstrap()            # after registering: a push it is not told of published before it reads
+        self._bootstrap()            # and after: a push that did not see it registered published before this
 
     def _call(self, method, *args):
         """A queue call, made again if the queue's actor restarts meanwhile (placement.call)."""
