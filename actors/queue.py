@@ -86,18 +86,15 @@ class RolloutQueueActor:
                                 and not self.hub.finished() else got, timeout_s)
         return [] if out is ... else out
 
-    async def _after_server(self, fn, timeout_s: float):
-        """fn() under the lock, once a rebuilt queue has the server's state (its generators' versions)."""
-        out = await self._until(lambda: ... if "server" in self.hub.awaiting else fn(), timeout_s)
+    @guarded
+    async def rollback(self, trained: list, version: int, timeout_s: float = 300.0) -> int:
+        """RolloutHub.rollback (a restored trainer), after the server's state on a rebuilt queue."""
+        out = await self._until(lambda: ... if "server" in self.hub.awaiting else self.hub.rollback(trained, version),
+                                timeout_s)
         if out is ...:
             raise TimeoutError(f"rollout queue {self.name} restarted and the server has not sent its state "
                                f"within {timeout_s} s: is the RolloutServer running?")
         return out
-
-    @guarded
-    async def rollback(self, trained: list, version: int, timeout_s: float = 300.0) -> int:
-        """RolloutHub.rollback (a restored trainer), after the server's state on a rebuilt queue."""
-        return await self._after_server(lambda: self.hub.rollback(trained, version), timeout_s)
 
     @guarded
     async def wait_trainer_done(self, timeout_s: float | None = 600.0) -> bool:   # the server: the run's end
