@@ -725,11 +725,9 @@ minirl's. The run's settings, its progress bar, phase lines and results are mini
 
 
 def quiet() -> None:
-    import logging
     import warnings
     for k, v in QUIET.items():
         os.environ.setdefault(k, v)
-    logging.getLogger("vllm").setLevel(logging.ERROR)   # its lines logged before vLLM configures its logger
     warnings.filterwarnings("ignore", message=REDUCE_OP, category=FutureWarning)   # and in this one
 
 
