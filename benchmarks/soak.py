@@ -3,6 +3,7 @@
 
     python benchmarks/soak.py --minutes 30 --out benchmarks/results/DAY/soak_cpu.json
     python benchmarks/soak.py --minutes 3 --out /tmp/soak.json            # a short trial
+    python benchmarks/soak.py --gpu --minutes 8 --out $OUT/soak_gpu.json  # one GPU shared by every actor
 
 The tiny model and the `succ` task on a private local Ray cluster (CPU): --generators generators, one
 trainer rank checkpointing every --save-every steps. Prompts enter in waves while the run lasts (the
@@ -17,7 +18,8 @@ A trainer is killed only once it has checkpointed since it started. At the end: 
 version was reused after a trainer kill (the new trainer's version is past every version the queue
 saw); every generator holds the final weights;
 no generator's run() failed.
-Writes --out (JSON) and a markdown table beside it. Hardware: CPU (2 cores: about 2 steps a second).
+Writes --out (JSON) and a markdown table beside it. Hardware: CPU (2 cores: about 2 steps a second);
+--gpu: one GPU that the generators (each an eager engine holding GPU_ENGINE) and the trainer share.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")    # a private local cluster 
 KINDS = ["generator", "queue", "trainer", "queue+trainer"]
 WAVE = 64                                   # prompts added whenever fewer than a wave wait
 LLM = {"max_model_len": 128, "enforce_eager": True}
+GPU_SHARE = 0.3                             # --gpu: each actor's bundle of the one GPU (Ray places them all on it)
+GPU_ENGINE = {"kv_cache_memory_bytes": 1 << 30, "gpu_memory_utilization": 0.05}   # vLLM sizes nothing from free memory
 
 
 def train_loop(worker, root: str, every: int, resume: bool):
@@ -78,10 +82,12 @@ def soak(args) -> dict:
     rng, task, work = random.Random(args.seed), get_task("succ"), Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     model, root, name = str(build_tiny_model(work / "model")), str(work / "ck"), f"soak-{args.seed}"
-    ray.init(address="local", num_cpus=4 + args.generators, object_store_memory=300 * 2**20,
-             include_dashboard=False, namespace="minirl", log_to_driver=False)
+    bundle = {"CPU": 1, **({"GPU": GPU_SHARE} if args.gpu else {})}
+    ray.init(address="local", num_cpus=4 + args.generators, num_gpus=1 if args.gpu else 0,
+             object_store_memory=300 * 2**20, include_dashboard=False, namespace="minirl", log_to_driver=False)
     srv = RolloutServer(model, name, reward_fn=task.reward, num_generators=args.generators, group_size=4,
-                        sampling={"max_tokens": 2}, queue_size=8, prompts_per_call=4, llm_kwargs=LLM)
+                        sampling={"max_tokens": 2}, queue_size=8, prompts_per_call=4, resources=bundle,
+                        llm_kwargs={**LLM, **(GPU_ENGINE if args.gpu else {})})
     submitted = [0]
 
     def feed(close: bool = False) -> None:
@@ -92,7 +98,7 @@ def soak(args) -> dict:
             submitted[0] += n
 
     def trainer(resume: bool):
-        pg, (actor,) = start_trainers(1, model, name, lr=1e-3, batch_size=4, max_staleness=1)
+        pg, (actor,) = start_trainers(1, model, name, bundle=bundle, lr=1e-3, batch_size=4, max_staleness=1)
         return pg, actor, actor.run.remote(train_loop, root, args.save_every, resume)
 
     def checkpointed_since(t: float) -> bool:
@@ -103,7 +109,8 @@ def soak(args) -> dict:
     srv.run(block=False)
     pg, actor, run = trainer(False)
     started, kills, resumes = time.time(), [], []
-    out = {"seed": args.seed, "generators": args.generators, "kinds": args.kinds, "kill_log": kills, "error": None}
+    out = {"seed": args.seed, "generators": args.generators, "kinds": args.kinds,
+           "device": "gpu" if args.gpu else "cpu", "kill_log": kills, "error": None}
     try:
         trainer_since, end = time.time(), time.time() + 60 * args.minutes
         while time.time() < end:
@@ -208,6 +215,7 @@ def main() -> None:
                     help=f"comma list of what to kill, from {','.join(KINDS)} (default: all; none: the control)")
     ap.add_argument("--save-every", type=int, default=5, help="trainer steps between checkpoints")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gpu", action="store_true", help="generators and trainer share one GPU (else CPU only)")
     ap.add_argument("--work", default="/tmp/minirl-soak", help="model, checkpoints (scratch)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
