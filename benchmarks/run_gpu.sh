@@ -94,8 +94,8 @@ for stage in "$@"; do
       python benchmarks/cost_model.py "$out/longtail_h200_qwen3-0.6b_1gpu_all.json" --gpus 8 64 \
         > "$out/longtail_h200_qwen3-0.6b_1gpu_cost.txt" 2>&1; tail -8 "$out/longtail_h200_qwen3-0.6b_1gpu_cost.txt" ;;
     soak)   # the async backend on one GPU (tiny model, two generators and the trainer sharing it) under
-      # generator, queue, trainer and queue+trainer kills for SOAK_MINUTES (8); every prompt trained once?
-      timeout 590 python benchmarks/soak.py --gpu --minutes "${SOAK_MINUTES:-8}" --max-gap 30 \
+      # generator, queue, trainer and queue+trainer kills for SOAK_MINUTES (6); every prompt trained once?
+      timeout 590 python benchmarks/soak.py --gpu --minutes "${SOAK_MINUTES:-6}" --max-gap 30 \
         --out "$out/soak_gpu.json" 2>&1 | tail -12 ;;
     *) log "unknown stage $stage" ;;
   esac

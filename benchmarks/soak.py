@@ -3,7 +3,7 @@
 
     python benchmarks/soak.py --minutes 30 --out benchmarks/results/DAY/soak_cpu.json
     python benchmarks/soak.py --minutes 3 --out /tmp/soak.json            # a short trial
-    python benchmarks/soak.py --gpu --minutes 8 --out $OUT/soak_gpu.json  # one GPU shared by every actor
+    python benchmarks/soak.py --gpu --minutes 6 --out $OUT/soak_gpu.json  # one GPU shared by every actor
 
 The tiny model and the `succ` task on a private local Ray cluster (CPU): --generators generators, one
 trainer rank checkpointing every --save-every steps. Prompts enter in waves while the run lasts (the
