@@ -506,12 +506,11 @@ def last_checkpoint(run_dir) -> tuple[int, Path] | None:
     return None if path is None else (saved_step(path), path.resolve())
 
 
-def settings(args) -> str:
+def settings(args, async_loop: bool = False) -> str:
     """The run's main settings on one line (all of them: RUN_DIR/args.json)."""
     model = args.model or "tiny random Qwen3 (built in RUN_DIR/tiny-model)"
     work = f"env {args.env}" if args.env else f"task {args.task}" + (f" ({args.data})" if args.data else "")
-    where = (f", {generators(args)}, max staleness {args.max_staleness}"
-             if hasattr(args, "max_staleness") and args.role != "trainer" else "")
+    where = f", {generators(args)}, max staleness {args.max_staleness}" if async_loop and args.role != "trainer" else ""
     return (f"{model}, {work}, {args.steps} steps of {args.prompts} prompts x {args.group_size} samples "
             f"x {args.max_tokens} tokens, lr {args.lr:g}, seed {args.seed}{where}")
 
@@ -540,7 +539,7 @@ def in_ray_job() -> bool:
             or "/runtime_resources/working_dir_files/" in os.getcwd())
 
 
-def prepare(args):
+def prepare(args, async_loop: bool = False):
     """The run's inputs, checked before any model or engine starts (a mistake costs seconds, not a
     model load): the checkpoint --resume continues from, and the task (the data file and its fields,
     read through the model's tokenizer when its chat template is used). Prints the run directory,
@@ -561,7 +560,7 @@ def prepare(args):
         raise FileExistsError(f"{root} holds an earlier run's checkpoint (step {last[0]}): pass --resume to "
                               "continue it, or another --run-dir to start afresh")
     task = None if args.role == "trainer" else make_task(args)
-    say(f"settings: {settings(args)} (every flag: {run_dir / 'args.json'})")
+    say(f"settings: {settings(args, async_loop)} (every flag: {run_dir / 'args.json'})")
     if args.resume:
         say(f"resuming from step {last[0]} (checkpoint {last[1]})")
     if os.environ.get("RANK", "0") == "0":
@@ -707,7 +706,7 @@ def start(doc: str, run_dir: str, *, async_loop: bool = False):
     if not args.verbose:
         quiet()
     with ending(args, status=2):
-        return args, prepare(args)
+        return args, prepare(args, async_loop)
 
 
 REDUCE_OP = "`torch.distributed.reduce_op` is deprecated"
@@ -740,8 +739,8 @@ def main(run, args, task=None) -> None:
         import ray                                        # crash for Ray's handler (a trace, then abort in 3 s)
         ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     with interruptible(), ending(args, status=1, since=time.time()):
-        if "ray" in sys.modules:                          # Ray's own "Started a local Ray instance": --verbose
-            from actors import placement
+        if getattr(args, "ray", 0) or "actors.placement" in sys.modules:   # a run on Ray (vLLM imports ray
+            from actors import placement                  # in every run): "Started a local Ray instance" --verbose
             placement.ray_init(logging_level=logging.INFO if args.verbose else logging.WARNING)
         if task is None and args.role != "trainer":
             task = prepare(args)

@@ -32,11 +32,13 @@ def wm(tiny_model):
 
 
 def run_py(args, *, timeout=600, env=None, cwd=ROOT):
-    """Run a python command in a fresh process; return CompletedProcess (text)."""
+    """Run a python command in a fresh process; return CompletedProcess (text). env: variables to
+    set over this process's (None: unset)."""
     import subprocess
     dist_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
     e = {k: v for k, v in os.environ.items() if k not in dist_vars}   # this process's world
     e.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+    e = {k: v for k, v in e.items() if v is not None}
     return subprocess.run([PYTHON, *args], cwd=cwd, env=e, capture_output=True, text=True,
                           timeout=timeout)
 

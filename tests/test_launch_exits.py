@@ -181,10 +181,11 @@ def _lines(text: str) -> list[str]:
 @pytest.mark.slow
 def test_a_default_run_speaks_plainly_and_verbose_shows_the_libraries(tmp_path):
     """Without flags a run prints its directory, settings, progress bar and results, and other
-    libraries' errors only: no INFO / WARNING line, no deprecation, no loader bar. --verbose brings
-    vLLM's own lines back (so the quiet is minirl's doing)."""
+    libraries' errors only: no INFO / WARNING line, no deprecation, no loader bar, in a user's shell
+    (Ray's auth mode unset: a co-located run starts no Ray, whose token warning would show). --verbose
+    brings vLLM's own lines back (so the quiet is minirl's doing)."""
     argv = [SCRIPT, "--steps", "2", "--prompts", "4", "--group-size", "2", "--backends", ""]
-    res = run_py([*argv, "--run-dir", str(tmp_path / "a")], timeout=300)
+    res = run_py([*argv, "--run-dir", str(tmp_path / "a")], timeout=300, env={"RAY_AUTH_MODE": None})
     assert res.returncode == 0, res.stderr[-3000:]
     lines = _lines(res.stdout + res.stderr)
     ours = ("run dir: ", "settings: ", "a: ", "reward curve: ", "reward: ")
@@ -192,5 +193,6 @@ def test_a_default_run_speaks_plainly_and_verbose_shows_the_libraries(tmp_path):
     assert len(others) <= 2 and not [ln for ln in lines if "INFO" in ln or "WARNING" in ln or "Warning" in ln
                                        or "Loading" in ln], lines
     assert [ln for ln in lines if ln.startswith("reward: ")][0].endswith("(step 2)")
+    assert "generator" not in [ln for ln in lines if ln.startswith("settings: ")][0]   # async settings: async only
     res = run_py([*argv, "--run-dir", str(tmp_path / "b"), "--verbose"], timeout=300)
     assert res.returncode == 0 and any("INFO" in ln for ln in _lines(res.stdout + res.stderr))
