@@ -15,6 +15,7 @@ group (actors/weights.py), verified unless verify_sync=False. Hardware: CPU or o
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 
@@ -44,12 +45,13 @@ class TrainWorker:
         placement.ray_init(namespace)
         self.queue = connect_queue(queue_address, namespace=namespace, token=queue_token,   # actors/tokens.py
                                    model_id=model_identity(check_model_path(model)))
+        self.max_staleness, self.batch_size = max_staleness, batch_size
+        self.pull_timeout, self.timeout = pull_timeout_s, sync_timeout_s
+        self._step_prompts = batch_size * int(os.environ.get("WORLD_SIZE", 1))  # the queue admits work by it
+        if int(os.environ.get("RANK", 0)) == 0:     # before the model loads: generation overlaps it, admitted
+            self._announce_bound()
         self.trainer = Trainer(model, replace(config or TrainerConfig(), **({} if lr is None else {"lr": lr})))
-        self.rank, self.device, self.max_staleness = self.trainer.rank, self.trainer.device, max_staleness
-        self.batch_size, self.pull_timeout, self.timeout = batch_size, pull_timeout_s, sync_timeout_s
-        self._step_prompts = batch_size * self.rank.world_size     # the queue admits work by it (RolloutHub)
-        if self.rank.rank == 0:
-            self._q(self.queue.set_max_staleness, max_staleness, self._step_prompts)
+        self.rank, self.device = self.trainer.rank, self.trainer.device
         self.trainer.policy_version = self._q(self.queue.stats)["version"]
         self.pusher = WeightPusher(self.trainer, self.queue, transport, verify=verify_sync, timeout_s=sync_timeout_s)
         self.trained_uids, self.timings = [], {}     # trained_uids: every prompt pulled (once), in order
@@ -74,14 +76,20 @@ class TrainWorker:
             mine = split_by_tokens(got, world)[self.rank.rank]
             yield [RolloutBatch([r.to(self.device) for r in b], uid=b.uid) for b in mine]
 
+    def _announce_bound(self) -> None:
+        """The one writer of the queue's staleness bound (RolloutHub's admission): this trainer's
+        max_staleness and prompts per step, at its start and again to a restarted queue."""
+        self._q(self.queue.set_max_staleness, self.max_staleness, self._step_prompts)
+
     def _q(self, method, *args, wait_s: float = 0.0):
         """A queue call, made again across a restart of the queue's actor; if the restarted queue waits
-        for this trainer (QueueRestarted), it first rejoins with what it pulled, its version and weights."""
+        for this trainer (QueueRestarted), it first rejoins with its bound, what it pulled, its version
+        and weights."""
         try:
             return placement.call(method, *args, timeout_s=wait_s + self.timeout, what="rollout queue")
         except QueueRestarted:
-            self._q(self.queue.rejoin_trainer, self.trained_uids, self.policy_version, self.pusher.published,
-                    self.max_staleness, self._step_prompts)
+            self._announce_bound()
+            self._q(self.queue.rejoin_trainer, self.trained_uids, self.policy_version, self.pusher.published)
             return self._q(method, *args, wait_s=wait_s)
 
     def sync_weights(self) -> dict:

@@ -419,8 +419,6 @@ def start_server(args, task):
                         seed=args.seed, llm_kwargs={**llm_kwargs(args), "max_num_seqs": 256})
     say(f"ready: {n} in {time.time() - t:.0f} s")
     try:
-        import ray                       # admission from the first lease: the trainer's bound before it connects
-        ray.get(srv.queue.set_max_staleness.remote(args.max_staleness, args.prompts), timeout=60)
         if args.resume:                  # prompts trained before the checkpoint never come back
             say("restored:", srv.restore(Path(args.run_dir) / "checkpoints"))
         srv.submit(prompts, metadata=answers, skip_known=args.resume)

@@ -13,7 +13,8 @@ take_batches raising the cause; "skip" records it in failures(). rollback() resu
 trainer. A hub rebuilt after its actor died (restarted=True) holds leases and deliveries until the
 server (rejoin_server) and the live trainer (rejoin_trainer) sent their state again.
 
-Staleness by admission (the trainer's max_staleness S and batch size B: set_max_staleness). The
+Staleness by admission (the trainer's max_staleness S and batch size B: set_max_staleness, which
+only the trainer calls, as it starts and before it rejoins a restarted hub). The
 guarantee: every token trained at trainer version t (the step that publishes t + 1) was sampled
 with weights of version >= t - S. A batch's policy_version is its oldest token's, so it may be
 trained at versions <= its deadline policy_version + S; a prompt leased to a generator holding
@@ -368,12 +369,9 @@ class RolloutHub:
         self.awaiting.discard("server")
         return added
 
-    def rejoin_trainer(self, trained: list, version: int, weights: Any, max_staleness: int | None,
-                       batch_size: int | None = None) -> int:
-        """After a restart: the live trainer's pulled uids (never issued again), its policy version,
-        weights handle, staleness bound and batch size. Returns its version."""
-        if max_staleness is not None:
-            self.set_max_staleness(max_staleness, batch_size)
+    def rejoin_trainer(self, trained: list, version: int, weights: Any) -> int:
+        """After a restart: the live trainer's pulled uids (never issued again), its policy version and
+        weights handle (its bound came first: set_max_staleness). Returns its version."""
         version = self._roll(trained, version, self._top_version)    # a live trainer knows its last version
         self.set_version(version, weights)
         self.awaiting.discard("trainer")

@@ -402,7 +402,7 @@ def _rebuilt(trainer_first: bool):
         with pytest.raises(QueueRestarted, match="restarted and lost its state: the trainer must rejoin"):
             call()
     server = lambda: hub.rejoin_server(prompts(range(8)), True, {"a": "handle-a"})   # noqa: E731
-    trainer = lambda: hub.rejoin_trainer([0, 1, 2, 3], 5, ["ref"], 1)               # noqa: E731
+    trainer = lambda: (hub.set_max_staleness(1, 2), hub.rejoin_trainer([0, 1, 2, 3], 5, ["ref"]))  # noqa: E731
     first, second = (trainer, server) if trainer_first else (server, trainer)
     first()
     assert hub.take_prompts("a", 2) == [] and hub.stats()["awaiting"] == ["server" if trainer_first else "trainer"]
@@ -427,7 +427,7 @@ def test_rebuilt_hub_drops_a_trained_batch_put_before_the_trainer_rejoins():
     hub = RolloutHub(max_batches=4, restarted=True)
     hub.rejoin_server(prompts(range(3)), True, {})
     assert hub.put_batches("a", [batch(0), batch(2)]) == 2              # a generator's put in flight
-    hub.rejoin_trainer([0, 1], 3, None, None)
+    hub.rejoin_trainer([0, 1], 3, None)
     assert uids(hub.take_batches(1)) == [2] and hub.stats()["delivered"] == 3 and hub.finished()
 
 
