@@ -127,8 +127,9 @@ def _colocated_rank(model, args):
     for step in range(args.steps):
         mine = prompts(args, step)[rank::world]
         t0 = time.perf_counter()
-        batches = run_episodes(wm.as_vllm(), episode, mine, group_size=args.group_size,
-                               uids=[(step, rank, i) for i in range(len(mine))])
+        llm = wm.as_vllm()
+        batches = run_episodes(llm, episode, mine, group_size=args.group_size, policy_version=wm.policy_version,
+                               device=wm.device, uids=[(step, rank, i) for i in range(len(mine))])
         t1 = time.perf_counter()
         wm.as_trainable()
         rollouts = [r for b in batches for r in b.compute_advantages()]

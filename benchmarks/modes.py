@@ -91,7 +91,8 @@ def measure(model: str, mode: str, reference: bool, args) -> dict:
         outputs = llm.generate(prompts, SamplingParams(n=args.group_size, max_tokens=args.max_tokens,
                                                        min_tokens=args.max_tokens, logprobs=0, seed=step),
                                use_tqdm=False)
-        batches = parse_vllm_outputs(outputs, args.group_size, task.reward, metadata=answers)
+        batches = parse_vllm_outputs(outputs, args.group_size, task.reward, metadata=answers,
+                                     policy_version=wm.policy_version, device=wm.device)
         for b in batches:
             b.compute_advantages()
         t3 = time.perf_counter()

@@ -31,9 +31,9 @@ def train(args, wm: WeightManager, log, task, ckpt=None, start=1, evaluate=None)
     def rollouts(step, round):                                  # one round of prompts, scored
         seed = (args.seed * 1000 + step) * 64 + wm.rank.rank + round * 2**40   # prompts and samples
         prompts, answers = sample(args.prompts, seed=seed)      # depend on the step only: exact resume
-        llm = wm.as_vllm()                                      # syncs weights if they changed
-        return run_episodes(llm, episode, prompts, group_size=args.group_size, metadata=answers,
-                            sampling={"max_tokens": args.max_tokens}, seed=seed * 1000)
+        llm, version = wm.as_vllm(), wm.policy_version          # syncs weights if they changed
+        return run_episodes(llm, episode, prompts, group_size=args.group_size, metadata=answers, seed=seed * 1000,
+                            sampling={"max_tokens": args.max_tokens}, policy_version=version, device=wm.device)
 
     if evaluate is not None and start == 1:                     # held-out pass@1 / pass@k before training
         log(0, evaluate())

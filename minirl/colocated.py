@@ -114,7 +114,8 @@ class WeightManager:
 
     def as_vllm(self):
         """The real vllm.LLM, holding the latest trained weights, with memory to generate (it syncs when
-        they moved, and drops the gradients); its outputs record the policy version and device."""
+        they moved, and drops the gradients). Its weights are `policy_version`: pass that to
+        parse_vllm_outputs / run_episodes, which stamp it on the Rollouts."""
         self._check_open()
         tr = self.trainer
         if self._mode == "train" or tr.stepped or self._reload:
@@ -147,7 +148,6 @@ class WeightManager:
                 gc.collect()
                 gc.freeze()
                 self._gc_frozen = True
-        self.llm.minirl_stamp = {"policy_version": self.policy_version, "device": str(self.device)}
         return self.llm
 
     def as_trainable(self):

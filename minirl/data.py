@@ -168,13 +168,13 @@ def _group_by_prompt(outputs: list, group_size: int) -> list[list]:
 
 def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, *,
                        metadata: Sequence | None = None, uids: Sequence | None = None,
-                       policy_version: int | None = None, device=None, tokenizer=None) -> list[RolloutBatch]:
+                       policy_version: int = 0, device="cpu", tokenizer=None) -> list[RolloutBatch]:
     """vLLM `RequestOutput`s (n=group_size per prompt, or each prompt group_size times with n=1;
     logprobs=0) -> one RolloutBatch per group, ordered by each group's first output. reward_fn(prompt,
     completion[, metadata[i]]) is called once per completion, in order, and must return a finite real
     (not a bool); what it raises is re-raised naming the prompt. uids: one per group (default: its
-    index). policy_version / device default to the engine's stamp (WeightManager.as_vllm(); else 0,
-    "cpu"). `tokenizer` decodes detokenize=False completions."""
+    index). policy_version: the weights' version that generated them (WeightManager.policy_version);
+    device: where the Rollouts' tensors are made. `tokenizer` decodes detokenize=False completions."""
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be an int >= 1 (completions per prompt), got {group_size!r}")
     if not callable(reward_fn):
@@ -191,9 +191,7 @@ def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, 
     groups = _group_by_prompt(outputs, group_size)
     pairs = [pair for group in groups for pair in group]      # decoded below in this order
     check_per_prompt(len(groups), metadata=metadata, uids=uids)
-    stamp = getattr(outputs[0], "minirl", {}) if outputs else {}
-    version = stamp.get("policy_version", 0) if policy_version is None else int(policy_version)
-    dev = stamp.get("device", "cpu") if device is None else str(device)
+    version, dev = int(policy_version), str(device)
     texts = None
     if tokenizer is not None and any(not c.text and c.token_ids for _, c in pairs):
         texts = iter(tokenizer.batch_decode([list(c.token_ids) for _, c in pairs], skip_special_tokens=True))

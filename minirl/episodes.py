@@ -556,11 +556,10 @@ class EpisodeRunner:
 
 
 def run_episodes(llm, episode: EpisodeFn, prompts: Sequence, *, group_size: int = 1, sampling: dict | None = None,
-                 config: EpisodeConfig = EpisodeConfig(), tokenizer=None, **kwargs) -> list[RolloutBatch]:
-    """Co-located helper: episodes on `llm` (e.g. WeightManager.as_vllm()), Rollouts stamped with the
-    policy version and device WeightManager recorded on it. kwargs: EpisodeRunner.run's."""
+                 config: EpisodeConfig = EpisodeConfig(), tokenizer=None, policy_version: int = 0,
+                 **kwargs) -> list[RolloutBatch]:
+    """Co-located helper: episodes on `llm` (e.g. WeightManager.as_vllm()), Rollouts stamped with
+    `policy_version` (WeightManager.policy_version). kwargs: EpisodeRunner.run's (device: "cpu")."""
     runner = EpisodeRunner(llm, sampling=sampling, config=config, tokenizer=tokenizer)
-    stamp = getattr(llm, "minirl_stamp", None) or {}
-    runner.policy_version = stamp.get("policy_version", 0)
-    return runner.run(episode, prompts, group_size=group_size, device=kwargs.pop("device", stamp.get("device", "cpu")),
-                      **kwargs)
+    runner.policy_version = int(policy_version)
+    return runner.run(episode, prompts, group_size=group_size, **kwargs)

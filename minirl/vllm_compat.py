@@ -37,17 +37,13 @@ DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
 
 class ManagedLLM(LLM):
     """A `vllm.LLM` that refuses to generate while its owner (WeightManager: `_minirl_check`) has it
-    asleep, and stamps its outputs with the owner's `minirl_stamp` for parse_vllm_outputs' Rollouts."""
+    asleep."""
     _minirl_check: Callable[[], None] | None = None
-    minirl_stamp: dict | None = None
 
     def _run(self, method, *args, **kwargs):
         if self._minirl_check is not None:
             self._minirl_check()
-        outputs = method(self, *args, **kwargs)
-        for out in outputs if self.minirl_stamp is not None else ():
-            out.minirl = self.minirl_stamp
-        return outputs
+        return method(self, *args, **kwargs)
 
     def generate(self, *args, **kwargs):
         return self._run(LLM.generate, *args, **kwargs)

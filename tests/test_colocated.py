@@ -27,7 +27,8 @@ def _rollouts(wm, n_prompts=4, group=4, seed=0):
     llm = wm.as_vllm()
     outputs = llm.generate(prompts, SamplingParams(n=group, temperature=1.0, max_tokens=2, logprobs=0),
                            use_tqdm=False)
-    batches = parse_vllm_outputs(outputs, group_size=group, reward_fn=task.reward, metadata=answers)
+    batches = parse_vllm_outputs(outputs, group, task.reward, metadata=answers, policy_version=wm.policy_version,
+                                 device=wm.device)
     return batches
 
 

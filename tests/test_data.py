@@ -45,7 +45,7 @@ def hf_model(tiny_model, wm):
 
 def test_parse_real_outputs(outputs, wm):
     outs, answers = outputs
-    batches = parse_vllm_outputs(outs, 4, get_task("succ").reward, metadata=answers)
+    batches = parse_vllm_outputs(outs, 4, get_task("succ").reward, metadata=answers, policy_version=7)
     assert len(batches) == 6 and all(len(b) == 4 for b in batches)
     for i, (b, o) in enumerate(zip(batches, outs)):
         assert b.uid == i
@@ -54,7 +54,7 @@ def test_parse_real_outputs(outputs, wm):
             assert r.completion_ids == list(c.token_ids)
             assert len(r.sampling_logprobs) == len(r.completion_ids)
             assert r.finish_reason == c.finish_reason
-            assert r.policy_version == wm.policy_version
+            assert r.policy_version == 7 and r.device == "cpu"     # the version passed; tensors on the CPU
             assert r.reward == (1.0 if c.text.startswith(answers[i]) else 0.0)
             assert r.token_ids.shape == (1, len(r.prompt_ids) + len(r.completion_ids))
             assert r.old_logprobs.shape == (1, len(r.completion_ids))

@@ -133,13 +133,13 @@ def test_single_turn_is_the_one_turn_episode(wm):
     calls = []
     reward = lambda p, c, m: calls.append((p, c, m)) or float(c.startswith(m))
     batches = run_episodes(wm.as_vllm(), single_turn(reward), ["1+1=", "2+1="], group_size=3,
-                           metadata=["2", "3"], uids=["a", "b"], sampling={"max_tokens": 2}, seed=0)
+                           metadata=["2", "3"], uids=["a", "b"], sampling={"max_tokens": 2}, seed=0, policy_version=5)
     assert [b.uid for b in batches] == ["a", "b"] and [len(b) for b in batches] == [3, 3]
     assert len(calls) == 6 and {m for _, _, m in calls} == {"2", "3"}
     for b in batches:
         for r in b:
             assert r.loss_mask == [1] * len(r.completion_ids) and 1 <= len(r.completion_ids) <= 2
-            assert r.info["turns"] == 1 and r.policy_version == wm.policy_version
+            assert r.info["turns"] == 1 and r.policy_version == 5              # the version passed
 
 
 

@@ -141,7 +141,7 @@ def test_colocated_loop_sleeps_trains_and_syncs(gpu_wm, record):
             version = wm.policy_version
             prompts, _ = task.sample(16, seed=step)
             outputs = llm.generate(prompts, sampling, use_tqdm=False)
-            batches = parse_vllm_outputs(outputs, group, varied_reward)
+            batches = parse_vllm_outputs(outputs, group, varied_reward, policy_version=version, device=wm.device)
             for b in batches:
                 b.compute_advantages()
             rollouts = [r for b in batches for r in b]
