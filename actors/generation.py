@@ -55,12 +55,17 @@ class GenerationActor:
 
     def _bootstrap(self) -> bool:
         """Load the trainer's latest weights if the queue holds newer ones than the engine (object
-        store), verified like a push: SyncError unless the engine's probe log-probs match the trainer's."""
+        store), verified like a push: SyncError unless the engine's probe log-probs match the trainer's.
+        Weights lost with their trainer (killed; Ray frees what it owned) are not loaded: the engine keeps
+        its own and its version, and the restored trainer publishes anew (False)."""
         from minirl.weights import check_sync, probe_gap
         version, w = self._call(self.queue.weights)
         if not w or version <= self.gen.policy_version:
             return False
-        ack = self.load_from_store(version, w["refs"], w["probe_ids"])
+        try:
+            ack = self.load_from_store(version, w["refs"], w["probe_ids"])
+        except ray.exceptions.ObjectLostError:    # OwnerDiedError: fetched before any load, nothing changed
+            return False
         if w["logprobs"] is not None:
             check_sync(probe_gap(w["logprobs"], ack["probe_logprobs"]), False, tolerance=None,
                        engine_dtype=w["dtype"], where=f"generator {self.worker_id} (loading the latest weights)",

@@ -7,6 +7,7 @@ test starts vLLM engines in actors.
 
 import contextlib
 import sys
+import time
 
 import pytest
 import ray
@@ -223,10 +224,20 @@ def push_once(worker):
     return worker.policy_version
 
 
+@ray.remote
+class _Owner:
+    """Holds copies of published weights (it owns their refs); killed, it takes them with it."""
+
+    def copy(self, published: dict) -> dict:
+        return {**published, "refs": [ray.put(ray.get(r)) for r in published["refs"]]}
+
+
 def test_a_new_generators_first_load_is_verified(ray_local, tiny_model, cleanup):
     """A generator that starts (or restarts) after a push loads the queue's latest weights and checks
     its probe log-probs against the trainer's, as a push does: weights published with wrong log-probs
-    (standing for a wrong load) fail its start naming the gap; right ones start it on that version."""
+    (standing for a wrong load) fail its start naming the gap; right ones start it on that version.
+    Weights lost with their owner (a trainer killed after publishing) do not fail its start: it keeps
+    its own weights and version, and takes the next push."""
     srv = _server(tiny_model, "q-bootstrap", 1, 8)
     cleanup(srv)
     pg, (trainer,) = _trainer(tiny_model, "q-bootstrap")
@@ -241,6 +252,24 @@ def test_a_new_generators_first_load_is_verified(ray_local, tiny_model, cleanup)
     ray.get(srv.queue.set_version.remote(version, published), timeout=60)
     wid = srv.add_generator()
     assert ray.get(srv.generators[wid]["actor"].info.remote(), timeout=60)["version"] == version
+    srv.remove_generator(wid)                   # the module's cluster holds 4 CPUs
+    owner = _Owner.options(num_cpus=0).remote()
+    lost = ray.get(owner.copy.remote(published), timeout=60)
+    ray.kill(owner)
+    deadline = time.time() + 60                 # the kill lands asynchronously
+    while time.time() < deadline:
+        try:
+            ray.get(lost["refs"][0], timeout=60)
+            time.sleep(0.5)
+        except ray.exceptions.ObjectLostError:
+            break
+    else:
+        raise AssertionError("the weights outlived their owner")
+    ray.get(srv.queue.set_version.remote(version + 1, lost), timeout=60)
+    late = srv.add_generator()
+    assert ray.get(srv.generators[late]["actor"].info.remote(), timeout=60)["version"] == 0   # its own weights
+    assert ray.get(trainer.run.remote(push_once), timeout=300) == version + 1               # the next push
+    assert ray.get(srv.generators[late]["actor"].info.remote(), timeout=60)["version"] == version + 1
 
 
 def test_a_trainer_that_fails_to_start_leaves_nothing_behind(ray_local, tiny_model):
