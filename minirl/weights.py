@@ -1,7 +1,7 @@
 """Trainer-side weight gathering: FSDP2 shards -> full tensors in HF names, bucket by bucket, and
 the checks that a sync arrived. Every rank calls `full_weight_buckets` in the same order (each
 unit's unshard() is an all-gather) and holds each full bucket in turn, never the whole model.
-Plain (unsharded) modules work too. Pure torch; CPU or GPU.
+A plain (unsharded) module is one bucket. Pure torch; CPU or GPU.
 """
 
 from __future__ import annotations
@@ -30,22 +30,12 @@ def reshard(model: nn.Module) -> None:
             m.reshard()
 
 
-def _groups(model: nn.Module, bucket_bytes: int):
+def _groups(model: nn.Module):
     """[(fsdp_unit or None, [(hf_name, name_in_unit, param)])] in gather order: one group per FSDP
-    unit (each layer, then the root's own), or ~bucket_bytes groups for plain modules; resharded."""
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not units:
-        groups, cur, size = [], [], 0
-        for name, p in model.named_parameters():
-            cur.append((hf_name(name), name, p))
-            size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
-                groups.append((None, cur))
-                cur, size = [], 0
-        return groups + ([(None, cur)] if cur else [])
+    unit (each layer, then the root's own); a plain module's parameters are one group (unit None)."""
     prefix = {id(m): name for name, m in model.named_modules()}
     groups, inner = [], set()
-    for unit in [u for u in units if u is not model]:
+    for unit in [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]:
         params = [(hf_name(f"{prefix[id(unit)]}.{n}"), n, p) for n, p in unit.named_parameters()]
         inner |= {id(p) for *_, p in params}
         groups.append((unit, params))
@@ -53,35 +43,32 @@ def _groups(model: nn.Module, bucket_bytes: int):
     return groups + ([(model if isinstance(model, FSDPModule) else None, own)] if own else [])
 
 
-def bucket_layout(model: nn.Module, *, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20
+def bucket_layout(model: nn.Module, *, dtype: torch.dtype | None = None
                   ) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
     """full_weight_buckets' (name, full shape, dtype) per bucket, gathering nothing (for receivers)."""
     reshard(model)
-    return [[(h, tuple(p.shape), dtype or p.dtype) for h, _, p in params]
-            for _, params in _groups(model, bucket_bytes)]
+    return [[(h, tuple(p.shape), dtype or p.dtype) for h, _, p in params] for _, params in _groups(model)]
 
 
 @torch.no_grad()
-def full_weight_buckets(model: nn.Module, *, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20
+def full_weight_buckets(model: nn.Module, *, dtype: torch.dtype | None = None
                         ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield [(hf_name, full tensor)] buckets covering every parameter once, cast to `dtype` when
-    given. FSDP2: one bucket per unit via its unshard() (an all-gather), one unit at a time;
-    collective: every rank consumes every bucket. Plain modules: ~bucket_bytes buckets. Tensors may
-    alias storage freed at the next bucket: copy what you keep."""
+    given: one per FSDP2 unit (collective, see the module docstring). Tensors may alias storage
+    freed at the next bucket: copy what you keep."""
     reshard(model)
-    yield from _gather(_groups(model, bucket_bytes), _caster(dtype))
+    yield from _gather(_groups(model), _caster(dtype))
 
 
 @torch.no_grad()
-def gather_during_forward(model: nn.Module, forward, on_bucket, *, dtype: torch.dtype | None = None,
-                          bucket_bytes: int = 512 << 20):
+def gather_during_forward(model: nn.Module, forward, on_bucket, *, dtype: torch.dtype | None = None):
     """Run `forward()` (a no-grad forward of `model`), handing each FSDP unit's full parameters to
     `on_bucket([(hf_name, tensor)])` while the forward has it unsharded; units it skipped, and plain
     modules, follow. Every parameter goes once, in full_weight_buckets' buckets. Returns forward()'s
     result, the model resharded. Collective for FSDP2."""
     cast = _caster(dtype)
     reshard(model)
-    groups = _groups(model, bucket_bytes)
+    groups = _groups(model)
     pending = {id(u): params for u, params in groups if u is not None}
 
     def hook(unit, args, output):     # registered first: runs before FSDP's reshard-after-forward
@@ -173,7 +160,6 @@ def check_sync(gap: float, stuck: bool, *, tolerance: float | None, engine_dtype
     """Raise SyncError when the engine's weights did not change although the trainer's did
     (`stuck`), or the probe gap exceeds the tolerance (default 2e-3 for fp32 engines, else 0.1: a
     correct bf16 sync's rounding grows with the model, 0.008 at 0.6B to 0.052 at 8B)."""
-    check_tolerance(tolerance)
     if tolerance is None:
         tolerance = 2e-3 if engine_dtype == torch.float32 else 0.1
     if stuck:
