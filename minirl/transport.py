@@ -34,8 +34,7 @@ def unpack_bucket(packed, device=None) -> list[tuple[str, torch.Tensor]]:
     """Inverse of pack_bucket; arrays may be read-only views of shared memory (never written)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)      # "array is not writable": we only read
-        tensors = [(name, torch.from_numpy(arr).view(_DTYPES[dtype])) for name, dtype, arr in packed]
-    return [(name, t.to(device)) for name, t in tensors]
+        return [(name, torch.from_numpy(arr).view(_DTYPES[dtype]).to(device)) for name, dtype, arr in packed]
 
 
 @dataclass(frozen=True)
@@ -79,11 +78,10 @@ class BroadcastGroup:
     def _bcast(self, t: torch.Tensor) -> None:
         self.pg.broadcast([t], dist.BroadcastOptions()).wait()    # rootRank defaults to 0
 
-    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
-        """Rank 0: broadcast a bucket (one flat buffer per dtype). Returns bytes sent."""
+    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """Rank 0: broadcast a bucket (one flat buffer per dtype)."""
         for dt, _ in BucketMeta.of(bucket).groups:
             self._bcast(torch.cat([t.reshape(-1).to(self.device) for _, t in bucket if str(t.dtype) == dt]))
-        return sum(t.numel() * t.element_size() for _, t in bucket)
 
     def recv(self, meta: BucketMeta) -> list[tuple[str, torch.Tensor]]:
         """Ranks > 0: receive one bucket described by `meta`."""
