@@ -117,11 +117,9 @@ def _fused_backward(x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g
 
 
 @functools.cache
-def fused_kernels(backend: str | None):
+def fused_kernels(backend: str):
     """_fused_forward / _fused_backward under torch.compile(backend) (dynamic rows: one compile for
-    every chunk length), or as they are for backend None (for tests)."""
-    if backend is None:
-        return _fused_forward, _fused_backward
+    every chunk length)."""
     return (torch.compile(_fused_forward, backend=backend, dynamic=True),
             torch.compile(_fused_backward, backend=backend, dynamic=True))
 
