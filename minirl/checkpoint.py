@@ -24,7 +24,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from minirl.data import Rollout, RolloutBatch
+from minirl.hub import PromptItem
 from minirl.weights import reshard
+
+_SAFE_TYPES = [Rollout, RolloutBatch, PromptItem]   # what objects.pt may hold besides plain data and tensors
 
 
 class CheckpointError(RuntimeError):
@@ -69,16 +73,9 @@ def _set_rng_state(s: dict) -> None:
         torch.cuda.set_rng_state_all([_unb64(t) for t in s["cuda"]])
 
 
-def _safe_types() -> list[type]:
-    """Classes objects.pt may hold besides plain data and tensors (the async queue's snapshot)."""
-    from minirl.data import Rollout, RolloutBatch
-    from minirl.hub import PromptItem
-    return [Rollout, RolloutBatch, PromptItem]
-
-
 def _safe_load(data: bytes):
-    """torch.load(weights_only=True) allowing _safe_types() too; others raise pickle.UnpicklingError."""
-    with torch.serialization.safe_globals(_safe_types()):
+    """torch.load(weights_only=True) allowing _SAFE_TYPES too; others raise pickle.UnpicklingError."""
+    with torch.serialization.safe_globals(_SAFE_TYPES):
         return torch.load(io.BytesIO(data), weights_only=True)
 
 
@@ -93,7 +90,7 @@ def _objects_blob(objects: dict) -> bytes:
     try:
         _safe_load(buf.getvalue())
     except pickle.UnpicklingError as e:
-        allowed = ", ".join(t.__name__ for t in _safe_types())
+        allowed = ", ".join(t.__name__ for t in _SAFE_TYPES)
         raise CheckpointError(f"cannot checkpoint these objects ({_why(e)}): keep them to dicts, lists, str, "
                               f"numbers, tensors and {allowed}") from None
     return buf.getvalue()
@@ -138,8 +135,7 @@ def verify(path: str | os.PathLike) -> Path:
     return path
 
 
-def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, tokenizer_from: str | None = None,
-              dtype: torch.dtype | None = None) -> None:
+def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, tokenizer_from: str) -> None:
     """Write the (FSDP2) model as a Hugging Face directory (safetensors, config, tokenizer copied from
     `tokenizer_from`) on rank 0, gathering the full state dict to rank 0's CPU only. Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -148,13 +144,12 @@ def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, tokenizer_f
     sd = get_model_state_dict(model, options=opts)
     if _rank() != 0:
         return
-    dtype = dtype or getattr(model.config, "torch_dtype", None) or torch.float32
+    dtype = getattr(model.config, "torch_dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     sd = {k: v.to(dtype) for k, v in sd.items()}
     model.save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
-    if tokenizer_from is not None:
-        from transformers import AutoTokenizer
-        AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(out_dir)
+    from transformers import AutoTokenizer
+    AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(out_dir)
 
 
 class Checkpointer:
