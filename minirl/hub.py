@@ -256,8 +256,7 @@ class RolloutHub:
                 raise ValueError("RolloutBatch.uid is None: set it to the uid of the PromptItem it answers")
             if len(b) == 0:
                 raise ValueError(f"RolloutBatch for uid {b.uid!r} has no rollouts")
-        for b in batches:
-            self._saw(max(r.policy_version for r in b))
+        self._saw(max((r.policy_version for b in batches for r in b), default=None))
         before, orphans = len(self._buffer), [b.uid for b in batches if self._orphan(b.policy_version)]
         self._requeue_front([u for u in orphans if self._leases.get(u) == worker_id])
         for b in batches:
@@ -419,6 +418,3 @@ class RolloutHub:
                 "trainer_done": self.trainer_done, "done_seen": self.done_seen, "failed": len(self._failed),
                 "error": self.error, "rolled_back": self._rolled_back, "on_failure": self.on_failure,
                 "awaiting": sorted(self.awaiting), "finished": self.finished(), "restarted": self.restarted}
-
-
-__all__ = ["PromptItem", "QueueRestarted", "RolloutHub", "admission_room", "prompt_items"]
