@@ -82,13 +82,12 @@ def merge_bucket(bucket: list[tuple[str, torch.Tensor]], scale: float) -> list[t
     named = dict(bucket)
     out = []
     for name, t in bucket:
-        if base_name(name) is None:
-            continue
         if name.endswith(".base_layer.weight"):
             mod = name.removesuffix(".base_layer.weight")
             a, b = named[f"{mod}.lora_A.default.weight"], named[f"{mod}.lora_B.default.weight"]
             t = (t.float() + scale * (b.float() @ a.float())).to(t.dtype)       # (out, in)
-        out.append((base_name(name), t))
+        if base_name(name) is not None:     # the adapters themselves are merged in, not sent
+            out.append((base_name(name), t))
     return out
 
 

