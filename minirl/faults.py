@@ -98,6 +98,3 @@ def check_settings(who: str, group_size, sampling: dict | None, reward_fn, rewar
         vc.SamplingParams(**{"logprobs": 0, **(sampling or {}), "n": group_size})
     except Exception as e:        # vLLM's VLLMValidationError is no ValueError
         raise ValueError(f"{who}: sampling={sampling!r} with n=group_size={group_size}: {e}") from None
-
-
-__all__ = ["bounded", "check_settings", "run_each"]
