@@ -54,9 +54,8 @@ def _unb64(s: str) -> torch.Tensor:
 
 def _rng_state() -> dict:
     """Every RNG state as JSON: python's Mersenne state, numpy's keys, torch's (and CUDA's) bytes."""
-    version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    s = {"python": [version, list(internal), gauss], "numpy": [name, keys.tolist(), pos, has_gauss, cached],
+    s = {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, cached],     # tuples: lists
          "torch": _b64(torch.get_rng_state())}
     if torch.cuda.is_available():
         s["cuda"] = [_b64(t) for t in torch.cuda.get_rng_state_all()]
