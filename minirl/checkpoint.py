@@ -23,6 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 
 from minirl.data import Rollout, RolloutBatch
 from minirl.hub import PromptItem
@@ -137,7 +140,6 @@ def verify(path: str | os.PathLike) -> Path:
 def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, tokenizer_from: str) -> None:
     """Write the (FSDP2) model as a Hugging Face directory (safetensors, config, tokenizer copied from
     `tokenizer_from`) on rank 0, gathering the full state dict to rank 0's CPU only. Collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     reshard(model)
     opts = StateDictOptions(full_state_dict=dist.is_initialized(), cpu_offload=True)
     sd = get_model_state_dict(model, options=opts)
@@ -170,8 +172,6 @@ class Checkpointer:
              objects: dict | None = None, hf_from=None) -> Path:
         """Collective: save everything for resume (frozen parameters excepted), and the HF policy if
         hf_from: its tokenizer's source (a path), or a callable writing the HF directory it is given."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0 (it names the checkpoint directory), got {step!r}")
         final, tmp = self.root / f"step_{step:08d}", self.root / f".tmp_step_{step:08d}"
@@ -208,8 +208,6 @@ class Checkpointer:
              compat: dict | None = None) -> dict:
         """Restore model, optimizer and RNG states from `path` (default: the latest complete one); returns
         read_state(path). A `compat` entry (model, tokenizer, settings) unlike the saved one raises."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
         if path is None and (path := self.latest()) is None:
             raise CheckpointError(f"no complete checkpoint under {self.root}")
         saved = json.loads((verify(path) / "state.json").read_text()).get("compat", {})
