@@ -127,8 +127,7 @@ class Trainer:
                                            fused=self.device.type == "cuda" and not cfg.cpu_offload)
         with _explain_oom(self, "allocating AdamW's state at load"):
             _allocate_state(self.optimizer)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()                   # a no-op unless CUDA is in use
         self.optimizer.register_step_post_hook(lambda *_: setattr(self, "stepped", True))
         self.policy_version = 0           # the version of the last published weights (publish() counts them)
         self.stepped = False              # the optimizer stepped since the last publish()
@@ -247,7 +246,7 @@ class Trainer:
                 self._state_host = _host_buffers(self.optimizer, self.device)
             if cuda:
                 self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))   # the last step wrote it
-            with torch.cuda.stream(self._copy_stream) if cuda else contextlib.nullcontext():
+            with torch.cuda.stream(self._copy_stream):     # None (CPU): the copies run here
                 for t, h in self._state_host:
                     h.copy_(t, non_blocking=cuda)
             self._state_where = "to_host"
@@ -270,7 +269,7 @@ class Trainer:
             t.untyped_storage().resize_(h.numel() * h.element_size())
         if cuda:
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._copy_stream) if cuda else contextlib.nullcontext():
+        with torch.cuda.stream(self._copy_stream):
             for t, h in self._state_host:
                 t.copy_(h, non_blocking=cuda)
             self._state_ready = self._copy_stream.record_event() if cuda else None
@@ -308,8 +307,7 @@ class Trainer:
         return len(_decoder_layers(self.model))
 
     @property
-    def recomputed_layers(self) -> int:
-        """How many decoder layers recompute their activations in backward."""
+    def recomputed_layers(self) -> int:            # minirl.model.recomputed_layers
         return recomputed_layers(self.model)
 
     # -- weights ----------------------------------------------------------------------------------
@@ -414,10 +412,10 @@ def _allocate_state(optimizer: torch.optim.Optimizer) -> None:
     weights unchanged, step count back to 0): at load they lie in segments of their own, not in
     blocks the first step's activations freed (which fragmented the device)."""
     lrs = [g["lr"] for g in optimizer.param_groups]
-    for p in (p for g in optimizer.param_groups for p in g["params"]):
-        p.grad = torch.zeros_like(p)
     for g in optimizer.param_groups:
-        g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+        g["lr"] = 0.0
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
     optimizer.step()
     for g, lr in zip(optimizer.param_groups, lrs):
         g["lr"] = lr
@@ -431,18 +429,16 @@ def _host_buffers(optimizer, device: torch.device) -> list[tuple[torch.Tensor, t
     one host buffer (one pinned allocation: PyTorch's pinned allocator rounds each one up to a
     power of two). A state tensor that is a view of a larger storage cannot be freed alone."""
     pairs, offsets, total = [], [], 0
-    for st in optimizer.state.values():
-        for v in st.values():
-            t = _local(v) if torch.is_tensor(v) else None
-            if t is None or t.device.type != device.type or t.numel() == 0:
-                continue
-            nbytes = t.numel() * t.element_size()
-            if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != nbytes:
-                raise RuntimeError("AdamW's state holds a view of a larger tensor; it cannot be moved "
-                                   "to the host alone: run without offload_optimizer")
-            pairs.append(t)
-            offsets.append(total)
-            total += -(-nbytes // 64) * 64
+    for t in (_local(v) for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)):
+        if t.device.type != device.type or t.numel() == 0:
+            continue
+        nbytes = t.numel() * t.element_size()
+        if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != nbytes:
+            raise RuntimeError("AdamW's state holds a view of a larger tensor; it cannot be moved "
+                               "to the host alone: run without offload_optimizer")
+        pairs.append(t)
+        offsets.append(total)
+        total += -(-nbytes // 64) * 64
     buf = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
     return [(t, buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
             for t, o in zip(pairs, offsets)]
@@ -457,7 +453,7 @@ def _explain_oom(trainer: Trainer, what: str):
         yield
     except torch.OutOfMemoryError as e:
         asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(e))
-        held = {"weights": [p for p in trainer.model.parameters()],
+        held = {"weights": list(trainer.model.parameters()),
                 "gradients": [p.grad for p in trainer.model.parameters() if p.grad is not None],
                 "AdamW state": [t for st in trainer.optimizer.state.values() for t in st.values()
                                 if torch.is_tensor(t) and t.dim()]}
