@@ -11,6 +11,7 @@ Hardware: CPU or CUDA.
 from __future__ import annotations
 
 import hashlib
+from importlib.util import find_spec
 from pathlib import Path
 
 import torch
@@ -57,12 +58,10 @@ def precision(name: str, device: torch.device) -> torch.dtype:
         raise ValueError("mixed_precision='fp16' needs loss scaling, which minirl does not do: use 'bf16'")
     if name not in ("auto", "bf16", "fp32"):
         raise ValueError(f"mixed_precision={name!r}: choose 'auto', 'bf16' or 'fp32'")
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError(f"mixed_precision='bf16' but {torch.cuda.get_device_name(device)} has no bf16: "
                          "use 'fp32'")
-    return torch.bfloat16 if name == "bf16" else torch.float32
+    return torch.bfloat16 if name == "bf16" or (name == "auto" and device.type == "cuda") else torch.float32
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -106,11 +105,7 @@ def _attention(name: str, device: torch.device) -> str:
     """The transformers attn_implementation for TrainerConfig.attention (registers varlen)."""
     if name not in ("auto", "varlen", "sdpa"):
         raise ValueError(f"attention={name!r}: choose 'auto', 'varlen' or 'sdpa'")
-    try:
-        import torch.nn.attention.varlen  # noqa: F401
-        has_varlen = device.type == "cuda"
-    except ImportError:
-        has_varlen = False
+    has_varlen = device.type == "cuda" and find_spec("torch.nn.attention.varlen") is not None
     if name == "varlen" and not has_varlen:
         raise ValueError("attention='varlen' needs CUDA and torch.nn.attention.varlen (torch >= 2.10): "
                          "use 'sdpa'")
