@@ -357,14 +357,13 @@ def trial_peak(trainer: Trainer, n: int) -> int | None:
 def check_before_loading(model: str, tc: TrainerConfig, max_model_len: int | None) -> None:
     """Step 1 on this CUDA device (the host's memory shared by its LOCAL_WORLD_SIZE processes)."""
     import psutil
-    check_fits(estimate_memory(model, tc, world=int(os.environ.get("WORLD_SIZE", 1)), max_model_len=max_model_len,
-                               trust_remote_code=tc.trust_remote_code), torch.cuda.mem_get_info()[1],
-               torch.cuda.get_device_name(),
+    check_fits(estimate_memory(model, tc, world=int(os.environ.get("WORLD_SIZE", 1)), max_model_len=max_model_len),
+               torch.cuda.mem_get_info()[1], torch.cuda.get_device_name(),
                host_available=psutil.virtual_memory().available / int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 def estimate_memory(model: str, trainer: TrainerConfig, *, world: int = 1,
-                    max_model_len: int | None = None, trust_remote_code: bool = False) -> dict[str, float]:
+                    max_model_len: int | None = None) -> dict[str, float]:
     """Bytes one GPU needs at least, by part, before anything is built (the model is read on the
     meta device): the trainer's fp32 weights, gradients and AdamW moments (shards of `world`; 0 on
     the device when cpu_offload; adapters only with LoRA), the reference policy (bf16 on CUDA), the
@@ -372,9 +371,9 @@ def estimate_memory(model: str, trainer: TrainerConfig, *, world: int = 1,
     activations. "needed" = what stays resident while generating + the larger of the gradients and
     the engine (asleep while training). "host" = what offload keeps in host memory instead."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    mc = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    mc = AutoConfig.from_pretrained(model, trust_remote_code=trainer.trust_remote_code)
     with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(mc, trust_remote_code=trust_remote_code)
+        meta = AutoModelForCausalLM.from_config(mc, trust_remote_code=trainer.trust_remote_code)
     n = sum(p.numel() for p in meta.parameters())
     lora = trainer.lora
     trained = n if lora is None else sum(lora.rank * (m.in_features + m.out_features) for name, m in
@@ -400,7 +399,7 @@ def check_fits(est: dict[str, float], available: float, where: str, host_availab
     """MemoryError when estimate_memory's `needed` exceeds `available` bytes (or its `host` part
     exceeds `host_available`): what each part needs, what there is, and which levers (with what
     they save) would make it fit."""
-    if host_available is not None and est.get("host", 0) and est["host"] + HOST_RESERVE > host_available:
+    if host_available is not None and est["host"] and est["host"] + HOST_RESERVE > host_available:
         raise MemoryError(
             f"offload does not fit in host memory: it keeps {est['host'] / GIB:.1f} GiB there (fp32 weights, "
             f"gradients and AdamW state; {est['host_reference'] / GIB:.1f} GiB of it the reference) beside the "
