@@ -168,7 +168,7 @@ def _engine_fit(trainer: Trainer, n_params: int, fit: MemoryPlan, kw: dict, cfg,
         host = psutil.virtual_memory().available / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         offload = (fit.sleep_level == 2 and state > 0 and want > free - headroom - engine
                    and host > 1.5 * state + 4 * GIB)
-        offload = bool(agreed_max(trainer, [int(offload)])[0])     # every rank decides alike
+        offload = bool(agreed_max(trainer, int(offload)))     # every rank decides alike
     fit, free = replace(fit, offload_optimizer=offload), free + offload * state
     if user_sized:
         return fit
@@ -194,14 +194,14 @@ def _headroom(total: int) -> float:
     return max(2 * GIB, 0.10 * total)
 
 
-def agreed_max(trainer: Trainer, values: list[int | None]) -> list[int | None]:
-    """Each value's largest over the ranks (None, e.g. an out-of-memory trial, wins)."""
+def agreed_max(trainer: Trainer, value: int | None) -> int | None:
+    """The value's largest over the ranks (None, e.g. an out-of-memory trial, wins)."""
     if trainer.rank.world_size == 1:
-        return list(values)
+        return value
     big = 1 << 62
-    t = torch.tensor([big if v is None else int(v) for v in values], dtype=torch.int64, device=trainer.device)
+    t = torch.tensor(big if value is None else int(value), dtype=torch.int64, device=trainer.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [None if x >= big else x for x in t.tolist()]
+    return None if t.item() >= big else t.item()
 
 
 def predict_peak(n1: int, peak1: int, n2: int, peak2: int, n: int) -> float:
@@ -248,7 +248,7 @@ class _Trials:
         tr = self.trainer
         if layers is not None:
             recompute_layers(tr.model, layers)
-        peak = agreed_max(tr, [trial_peak(tr, tokens)])[0]
+        peak = agreed_max(tr, trial_peak(tr, tokens))
         self.rows.append((tokens, tr.recomputed_layers, None if peak is None else round(peak / GIB, 2),
                           tr.memory_budget))
         return peak
@@ -437,7 +437,7 @@ def beside_sleeping_engine(trainer: Trainer, plan: MemoryPlan) -> MemoryPlan:
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(trainer.device)
     headroom = _headroom(total)
-    short = agreed_max(trainer, [int(need + headroom - free)])[0]    # every rank decides alike
+    short = agreed_max(trainer, int(need + headroom - free))    # every rank decides alike
     if short <= 0 or plan.recomputed_layers == trainer.num_layers:
         return plan
     what = (f"a training step needs {need / GIB:.1f} GiB beside the weights and {headroom / GIB:.1f} GiB "
