@@ -24,13 +24,15 @@ import gc
 import inspect
 import re
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from itertools import count
 from typing import Any, Awaitable, Callable, Sequence
 
 import torch
 
 from minirl.data import Rollout, RolloutBatch, _check_reward, check_per_prompt
+from minirl.faults import bounded, in_thread
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,7 +134,7 @@ class Episode:
             ids, lps, reason, v1 = await r.submit(self.token_ids, kw)
         finally:
             r._generating -= 1
-        turn = Turn(ids, lps, reason, (v0, v1), r.decode(ids))
+        turn = Turn(ids, lps, reason, (v0, v1), r.tokenizer.decode(ids, skip_special_tokens=True))
         self.token_ids += ids
         self.loss_mask += [1] * len(ids)
         self.logprobs += lps
@@ -167,7 +169,6 @@ class Episode:
         a timeout (default EpisodeConfig.tool_timeout_s); raises ToolTimeout naming the tool and this
         episode. A sync tool still running then is abandoned (runner.stats["abandoned_threads"]).
         info["tool_calls"], ["tool_s"] and ["tool_timeouts"] add up this episode's calls."""
-        from minirl.faults import in_thread
         timeout = self.runner.config.tool_timeout_s if timeout_s is None else timeout_s
         sync = not inspect.iscoroutinefunction(fn)
         t0 = time.perf_counter()
@@ -240,7 +241,8 @@ def single_turn(reward_fn: Callable) -> EpisodeFn:
 def _explain_generation_oom(e: torch.OutOfMemoryError) -> MemoryError:
     """torch's out-of-memory error in an engine step as a MemoryError that says what the device had
     and which levers leave the step more room."""
-    asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(e))
+    m = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(e))
+    asked = f" asking for {m.group(1)} more" if m else ""
     have = ""
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
@@ -248,7 +250,7 @@ def _explain_generation_oom(e: torch.OutOfMemoryError) -> MemoryError:
         have = (f": {free / 2**30:.2f} of {total / 2**30:.1f} GiB free, {idle / 2**30:.2f} GiB reserved by "
                 "PyTorch's allocator but unallocated")
     return MemoryError(
-        f"generation ran out of device memory in an engine step{' asking for ' + asked.group(1) + ' more' if asked else ''}"
+        f"generation ran out of device memory in an engine step{asked}"
         f"{have}. The engine's KV cache and what shares the device (a co-located trainer's weights and AdamW state) "
         "leave too little for the step's working memory. Levers: a smaller KV cache (WeightManagerConfig.kv_cache_gib, "
         "launch --kv-cache-gib, or the engine's kv_cache_memory_bytes / gpu_memory_utilization), fewer sequences "
@@ -270,7 +272,8 @@ class EpisodeRunner:
         self.max_model_len = vc.max_model_len(llm)
         self.policy_version = 0        # set by the owner when it loads weights (between steps)
         self.stats = {"steps": 0, "requests": 0, "admissions": 0, "episodes": 0, "errors": 0, "limits": 0,
-                      "abandoned_threads": 0}
+                      "abandoned_threads": 0, "yields": 0,
+                      "busy_s": 0.0, "idle_s": 0.0, "serve_s": 0.0}   # s in steps / with none in flight / sessions
         self._ids = count()
         self._futures: dict[str, asyncio.Future] = {}
         self._held: dict[str, tuple] = {}          # requests waiting to enter (admit_wait_steps)
@@ -283,11 +286,7 @@ class EpisodeRunner:
         self._limit: asyncio.Semaphore | None = None
         self._pool = None                            # reward threads (made on first use)
         self._live = self._generating = 0            # episodes running / of them waiting on a turn
-        self.stats.update(yields=0, busy_s=0.0, idle_s=0.0, serve_s=0.0)   # s in steps / with none in flight / sessions
         self.between_steps: Callable[[], None] | None = None   # e.g. an in-flight weight load
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def prompt_ids(self, prompt) -> list[int]:
         """Token ids of a prompt: ids as given, a str as vLLM tokenizes it, chat messages by the template."""
@@ -359,11 +358,10 @@ class EpisodeRunner:
             outs = self.vc.engine_step(self.llm)
         except torch.OutOfMemoryError as e:
             raise _explain_generation_oom(e) from e
-        for out in outs:
-            if out.finished:
-                self._running.discard(out.request_id)
-                finished += 1
-            fut = self._futures.pop(out.request_id, None) if out.finished else None
+        for out in filter(lambda o: o.finished, outs):
+            self._running.discard(out.request_id)
+            finished += 1
+            fut = self._futures.pop(out.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result((out, self.policy_version))   # stamped before any load between steps
         self.stats["steps"] += 1
@@ -441,8 +439,6 @@ class EpisodeRunner:
         tasks = [asyncio.ensure_future(self._one(episode, ep, self._limit, device)) for ep in eps]
         try:
             result = RolloutBatch(list(await asyncio.gather(*tasks)), uid=eps[0].uid)
-        except asyncio.CancelledError:
-            raise
         except Exception as e:                         # the group's first error; the others stop
             for t in tasks:
                 t.cancel()
@@ -505,9 +501,6 @@ class EpisodeRunner:
     async def reward(self, fn: Callable, *args):
         """fn(*args) off the engine loop: an async function awaited, a sync one in a worker thread;
         either bounded by config.reward_timeout_s (TimeoutError naming reward_fn)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        from minirl.faults import bounded
         t = self.config.reward_timeout_s
         if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
             try:
