@@ -275,10 +275,9 @@ class EpisodeRunner:
                       "abandoned_threads": 0, "yields": 0,
                       "busy_s": 0.0, "idle_s": 0.0, "serve_s": 0.0}   # s in steps / with none in flight / sessions
         self._ids = count()
-        self._futures: dict[str, asyncio.Future] = {}
+        self._futures: dict[str, asyncio.Future] = {}   # requests in flight: those not _held are in the engine
         self._held: dict[str, tuple] = {}          # requests waiting to enter (admit_wait_steps)
         self._held_steps = 0
-        self._running: set[str] = set()            # requests in the engine
         self._work: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._groups: set[asyncio.Task] = set()     # a session's groups in flight
@@ -329,13 +328,12 @@ class EpisodeRunner:
             if self._futures.pop(rid, None) is not None:     # cancelled (episode timeout): free the engine
                 if self._held.pop(rid, None) is None:
                     self.vc.abort_requests(self.llm, [rid])
-                    self._running.discard(rid)
 
     def _admit(self) -> None:
         """Held requests enter the engine: all at once, after admit_wait_steps or when nothing runs."""
         if not self._held:
             return
-        if self._running and self._held_steps < self.config.admit_wait_steps:
+        if len(self._futures) > len(self._held) and self._held_steps < self.config.admit_wait_steps:
             self._held_steps += 1
             return
         for rid, (ids, params) in self._held.items():
@@ -344,8 +342,6 @@ class EpisodeRunner:
             except Exception as e:                   # this request only (ids vLLM refuses): its episode fails
                 if (fut := self._futures.pop(rid, None)) is not None and not fut.done():
                     fut.set_exception(e)
-                continue
-            self._running.add(rid)
         self.stats["admissions"] += 1
         self._held.clear()
         self._held_steps = 0
@@ -353,19 +349,16 @@ class EpisodeRunner:
     def _step(self) -> int:
         """One engine step (new requests enter first); returns how many requests it finished."""
         self._admit()
-        finished = 0
         try:
-            outs = self.vc.engine_step(self.llm)
+            finished = [out for out in self.vc.engine_step(self.llm) if out.finished]
         except torch.OutOfMemoryError as e:
             raise _explain_generation_oom(e) from e
-        for out in filter(lambda o: o.finished, outs):
-            self._running.discard(out.request_id)
-            finished += 1
+        for out in finished:
             fut = self._futures.pop(out.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result((out, self.policy_version))   # stamped before any load between steps
         self.stats["steps"] += 1
-        return finished
+        return len(finished)
 
     def _quiet(self, since: float) -> bool:
         """Only the engine can wake anyone now: every running episode waits on a turn, and the event
@@ -492,7 +485,6 @@ class EpisodeRunner:
                 self.vc.abort_requests(self.llm, [r for r in self._futures if r not in self._held])
                 self._futures.clear()
             self._held.clear()
-            self._running.clear()
             self._groups.clear()
             self._loop = self._work = None
             gc.set_threshold(*thresholds)
