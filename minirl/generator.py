@@ -75,11 +75,9 @@ class Generator:
         all at once (blocking; weight loads wait for it)."""
         if not items:
             return []
-        metas = [it.metadata for it in items]
         with self._engine:
             return self.runner.run(self.episode, [it.prompt for it in items], group_size=self.group_size,
-                                   metadata=None if all(m is None for m in metas) else metas,
-                                   uids=[it.uid for it in items], device="cpu")
+                                   metadata=[it.metadata for it in items], uids=[it.uid for it in items])
 
     # -- continuous generation -----------------------------------------------------------------------
 
