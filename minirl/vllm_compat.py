@@ -79,9 +79,8 @@ def default_compilation(kw: dict, head_dim: int, capability: tuple[int, int]) ->
     """The compilation_config build_llm gives a CUDA engine whose kwargs name none (None: vLLM's own
     mode; also with enforce_eager or enable_lora). On FULL_GRAPHS_ON: full CUDA graphs for every step
     at FULL_GRAPHS_HEAD_DIMS, for decode steps only at other head sizes."""
-    if "compilation_config" in kw or kw.get("enforce_eager") or kw.get("enable_lora"):
-        return None
-    if capability[0] not in FULL_GRAPHS_ON:
+    if ("compilation_config" in kw or kw.get("enforce_eager") or kw.get("enable_lora")
+            or capability[0] not in FULL_GRAPHS_ON):
         return None
     return {"cudagraph_mode": "FULL" if head_dim in FULL_GRAPHS_HEAD_DIMS else "FULL_DECODE_ONLY"}
 
@@ -198,8 +197,7 @@ def fingerprint(llm: LLM) -> int:
 
 
 def fingerprinted_names(llm: LLM) -> set[str] | None:
-    """The weights fingerprint(llm) can see where that is not all of them (CPU: embeddings and
-    norms, vLLM repacks linear weights out of sight); None: every weight (CUDA)."""
+    """The weights fingerprint(llm) can see where that is not all of them (CPU); None: every weight (CUDA)."""
     if not ON_CPU:
         return None
     return {n for n, p in get_model(llm).named_parameters() if p.numel() and p.is_floating_point()}
@@ -304,7 +302,6 @@ def recorded_steps(llm: LLM):
     more than one token. tokens and prefill are None where the scheduler is out of reach or the step
     returned no batch. LLMEngine.step and the scheduler's update_from_output are wrapped on their
     instances and restored on exit."""
-    import time
     engine = llm.llm_engine
     scheduler = getattr(getattr(getattr(engine, "engine_core", None), "engine_core", None), "scheduler", None)
     steps: list[tuple[float, int | None, bool | None]] = []
