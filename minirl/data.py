@@ -8,7 +8,7 @@ end (what Trainer runs). Tests: tests/test_data.py. With P prompt and C completi
     get_logprobs(model(rollout.token_ids).logits, rollout.token_ids)
                            (1, P+C-1) entry i scores token i+1; the last C score the completion
     rollout.old_logprobs   (1, C)     vLLM's sampling log-probs: entry j matches entry P-1+j above
-    rollout.loss_mask      (1, C)     1 where the token counts
+    rollout.mask           (1, C)     1 where the token counts (loss_mask as a tensor)
 """
 
 from __future__ import annotations
