@@ -5,7 +5,8 @@
 #   bash benchmarks/run_gpu.sh OUT_DIR tests tests-0.6b switch-old switch-4b step-0.6b-256 step-4b-256-minirl
 # Run it from a snapshot of a commit, stamped so the results name it: `git archive HEAD | tar -x -C .snap &&
 # git rev-parse --short HEAD > .snap/COMMIT`.
-# STEP_ARGS="--compilation-config '{...}'" STEP_TAG=_decode: more launch flags for minirl's step, a file suffix.
+# STEP_ARGS="--compilation-config '{...}'" STEP_TAG=_decode: more launch flags for minirl's step, a file suffix;
+# STEP_LENGTHS=lognormal: minirl's completions cut at log-normal lengths (step.py --lengths).
 # switch-old measures the checkout in .old/ (an earlier commit's minirl/ and actors/: `git archive
 # be0b014 minirl actors | tar -x -C .old`), switch-4b this one, in the same lease.
 set -uo pipefail
@@ -49,7 +50,8 @@ for stage in "$@"; do
       steps=4; [[ $tokens -gt 256 ]] && steps=3
       timeout "${STEP_TIMEOUT:-580}" python benchmarks/step.py --shape "qwen3-$shape" --max-tokens "$tokens" --steps $steps --warmup 1 \
         --sides "${side:-minirl,trl}" --trl-micro-batch $mb "${ckpt[@]}" ${STEP_ARGS:+"--minirl-args=$STEP_ARGS"} \
-        --out "$out/step_qwen3-${shape}_${tokens}${side:+_$side}${STEP_TAG:-}.json" 2>&1 | grep -v "^\[" | tail -6 ;;
+        ${STEP_LENGTHS:+--lengths "$STEP_LENGTHS"} \
+        --out "$out/step_qwen3-${shape}_${tokens}${side:+_$side}${STEP_LENGTHS:+_$STEP_LENGTHS}${STEP_TAG:-}.json" 2>&1 | grep -v "^\[" | tail -6 ;;
     profile-*)   # minirl's step (launch defaults) with its last step's phases under torch.profiler
       IFS=- read -r _ shape tokens <<< "$stage"
       timeout 600 python benchmarks/step.py --shape "qwen3-$shape" --max-tokens "$tokens" --steps 4 --warmup 1 \

@@ -6,7 +6,8 @@ vocabulary), the built-in `succ` task's prompts scored by DIGITS (the fraction o
 characters that are digits: the filler tokens of a random model's vocabulary, `<|f123|>`, hold
 3-6 of them, so rewards differ within every group, advantages are nonzero and every step moves
 the weights and syncs real changes), P prompts x G samples, completions
-of at most T tokens (a random model almost never samples its EOS, so nearly all are T long),
+of at most T tokens (a random model almost never samples its EOS, so nearly all are T long; with
+`--lengths lognormal` minirl's are cut at log-normal lengths, as a stop rule would end them),
 bf16 compute with fp32 master weights, one optimizer step per batch, `--steps` steps.
 
 - minirl: launch/colocated.py as a user runs it, with only model, batch and length flags
@@ -24,7 +25,7 @@ training seconds; generated and trained tokens/s; the device's peak memory in us
 trained (prompt + completion) / training seconds / peak, N the model's parameter count, peak
 989.4 TFLOP/s (H200 dense bf16). minirl's steps also record their generation's engine steps (count,
 ms a step, sequences at once), its wall, CPU and garbage-collector seconds (and full collections,
-objects frozen out of them), and what the memory plan chose (sleep level, micro-batch tokens,
+objects frozen out of them), each training step's torch.compile graphs and seconds, and what the memory plan chose (sleep level, micro-batch tokens,
 recomputed layers of all).
 
     python benchmarks/step.py --shape qwen3-0.6b --max-tokens 256 --out $OUT/step_qwen3-0.6b_256.json
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import shlex
 import statistics
 import subprocess
@@ -100,7 +102,8 @@ def run_minirl(args, model: str) -> dict:
     argv = ["--model", model, "--task", "digits", "--prompts", str(args.prompts), "--group-size", str(args.group_size),
             "--max-tokens", str(args.max_tokens), "--max-model-len", str(args.max_tokens + 64),
             "--steps", str(args.steps), "--backends", "", "--run-dir", str(run_dir), *args.minirl_args]
-    engine, seen = _record_engine_steps(mod), {}
+    engine, seen = _record_engine_steps(mod, args), {}
+    training = _record_compiles(mod)
     real_close = mod.WeightManager.close
 
     def close(wm):                                        # what the memory plan chose, for the record
@@ -127,13 +130,55 @@ def run_minirl(args, model: str) -> dict:
                       "trained_tokens": (r["len/completion"] + r["len/prompt"]) * n, "loss": r["loss"],
                       "reward": r["reward/mean"], "adv_abs_mean": r["adv/abs_mean"], "grad_norm": r["grad_norm"],
                       "probe_gap": r.get("sync/probe_gap")})
-    for s, e in zip(steps, engine):
-        s.update(e)
+    for s, e, c in zip(steps, engine, training):
+        s.update(e, **c)
     return {"argv": argv, "steps": steps, "peak_memory_gib": mem.stop(), **seen, "command":
             "python launch/colocated.py " + " ".join(argv)}
 
 
-def _record_engine_steps(mod) -> list[dict]:
+def _record_compiles(mod) -> list[dict]:
+    """Each training step's torch.compile work (launch's train_step wrapped): graphs compiled by
+    Dynamo and the seconds Dynamo and Inductor spent compiling in it. A step that is slow only once
+    with train_graphs 0 lost its time elsewhere (e.g. kernels compiled at their first launch)."""
+    import torch._dynamo.utils as du
+    calls, real = [], mod.common.train_step
+
+    def seconds() -> float:                               # frames (forward included), then backward graphs
+        times = getattr(du, "compilation_time_metrics", {})
+        return sum(sum(times.get(k, ())) for k in ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler"))
+
+    def train_step(*a, **kw):
+        graphs, t = du.counters["stats"]["unique_graphs"], seconds()
+        out = real(*a, **kw)
+        calls.append({"train_graphs": du.counters["stats"]["unique_graphs"] - graphs,
+                      "train_compile_s": round(seconds() - t, 3)})
+        return out
+    mod.common.train_step = train_step
+    return calls
+
+
+def varied_lengths(args, reward):
+    """The --lengths lognormal workload: one turn whose max_tokens is drawn per episode from a
+    log-normal (median --length-median x --max-tokens, sigma --length-sigma, cut at --max-tokens), as
+    a stop rule ending completions at varied lengths would; seeded by step and episode."""
+    import random
+    from minirl.episodes import Episode
+    calls = [0]
+
+    def episode_fn():
+        calls[0] += 1
+        step = calls[0]
+
+        async def episode(ep: Episode) -> float:
+            rng = random.Random(f"{args.length_seed}/{step}/{ep.index}")
+            n = rng.lognormvariate(math.log(args.length_median * args.max_tokens), args.length_sigma)
+            turn = await ep.generate(max_tokens=max(1, min(args.max_tokens, round(n))))
+            return reward(ep.prompt, turn.text)
+        return episode
+    return episode_fn
+
+
+def _record_engine_steps(mod, args) -> list[dict]:
     """Each generation phase's engine steps (vllm_compat.recorded_steps around the loop's
     run_episodes): how many, their mean milliseconds, the most tokens one scheduled (the sequences
     decoding at once) and how many mixed in prefill; and the phase's wall, this thread's CPU
@@ -158,7 +203,11 @@ def _record_engine_steps(mod) -> list[dict]:
         st = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
         return st.get("num_alloc_retries", 0), st.get("num_device_alloc", 0)
 
+    episodes = varied_lengths(args, digit_fraction) if args.lengths == "lognormal" else None
+
     def run_episodes(llm, *a, **kw):
+        if episodes is not None:                          # the launch's episode, at varied lengths
+            a = (episodes(), *a[1:])
         in_gc[0], in_gc[2], wall, cpu = 0.0, 0, time.perf_counter(), time.thread_time()
         every, (retries, allocs) = time.process_time(), allocator()
         gc.callbacks.append(collecting)
@@ -316,6 +365,12 @@ def main():
     p.add_argument("--sides", default="minirl,trl")
     p.add_argument("--trl-micro-batch", type=int, default=64, help="TRL's per_device_train_batch_size")
     p.add_argument("--trl-grad-ckpt", action="store_true", help="TRL with gradient checkpointing (its default)")
+    p.add_argument("--lengths", default="max", choices=["max", "lognormal"],
+                   help="minirl: completions as the model ends them (random weights: all --max-tokens long), "
+                        "or cut at log-normal lengths (varied_lengths)")
+    p.add_argument("--length-median", type=float, default=0.35, help="lognormal: median, a fraction of --max-tokens")
+    p.add_argument("--length-sigma", type=float, default=0.8, help="lognormal: sigma of log(length)")
+    p.add_argument("--length-seed", type=int, default=0)
     p.add_argument("--work", default="/tmp/bench_step")
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--out", default=None)
