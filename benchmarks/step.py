@@ -25,7 +25,7 @@ training seconds; generated and trained tokens/s; the device's peak memory in us
 trained (prompt + completion) / training seconds / peak, N the model's parameter count, peak
 989.4 TFLOP/s (H200 dense bf16). minirl's steps also record their generation's engine steps (count,
 ms a step, sequences at once), its wall, CPU and garbage-collector seconds (and full collections,
-objects frozen out of them), each training step's torch.compile graphs and seconds, and what the memory plan chose (sleep level, micro-batch tokens,
+objects frozen out of them), each training step's torch.compile graphs and seconds and allocator retries, and what the memory plan chose (sleep level, micro-batch tokens,
 recomputed layers of all).
 
     python benchmarks/step.py --shape qwen3-0.6b --max-tokens 256 --out $OUT/step_qwen3-0.6b_256.json
@@ -103,7 +103,7 @@ def run_minirl(args, model: str) -> dict:
             "--max-tokens", str(args.max_tokens), "--max-model-len", str(args.max_tokens + 64),
             "--steps", str(args.steps), "--backends", "", "--run-dir", str(run_dir), *args.minirl_args]
     engine, seen = _record_engine_steps(mod, args), {}
-    training = _record_compiles(mod)
+    training = _record_training(mod)
     real_close = mod.WeightManager.close
 
     def close(wm):                                        # what the memory plan chose, for the record
@@ -136,22 +136,30 @@ def run_minirl(args, model: str) -> dict:
             "python launch/colocated.py " + " ".join(argv)}
 
 
-def _record_compiles(mod) -> list[dict]:
-    """Each training step's torch.compile work (launch's train_step wrapped): graphs compiled by
-    Dynamo and the seconds Dynamo and Inductor spent compiling in it. A step that is slow only once
-    with train_graphs 0 lost its time elsewhere (e.g. kernels compiled at their first launch)."""
+def _record_training(mod) -> list[dict]:
+    """Each training step's torch.compile work and allocator events (launch's train_step wrapped):
+    graphs compiled by Dynamo, the seconds Dynamo and Inductor spent compiling, and the CUDA
+    allocator's retries (its cache freed to fit an allocation) and fresh device allocations. A step
+    slow only once with none of these lost its time elsewhere (e.g. kernels built at first launch)."""
+    import torch
     import torch._dynamo.utils as du
     calls, real = [], mod.common.train_step
+
+    def allocator() -> tuple[int, int]:
+        st = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+        return st.get("num_alloc_retries", 0), st.get("num_device_alloc", 0)
 
     def seconds() -> float:                               # frames (forward included), then backward graphs
         times = getattr(du, "compilation_time_metrics", {})
         return sum(sum(times.get(k, ())) for k in ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler"))
 
     def train_step(*a, **kw):
-        graphs, t = du.counters["stats"]["unique_graphs"], seconds()
+        graphs, t, (retries, allocs) = du.counters["stats"]["unique_graphs"], seconds(), allocator()
         out = real(*a, **kw)
+        now = allocator()
         calls.append({"train_graphs": du.counters["stats"]["unique_graphs"] - graphs,
-                      "train_compile_s": round(seconds() - t, 3)})
+                      "train_compile_s": round(seconds() - t, 3), "train_alloc_retries": now[0] - retries,
+                      "train_device_allocs": now[1] - allocs})
         return out
     mod.common.train_step = train_step
     return calls
