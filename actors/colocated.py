@@ -39,10 +39,11 @@ class ColocatedWorker(placement.RankActor):
         on CPU (ready to travel)."""
         from vllm import SamplingParams
         from minirl.data import parse_vllm_outputs
-        llm = self.wm.as_vllm()
+        llm, version = self.wm.as_vllm(), self.wm.policy_version
         sp = SamplingParams(**{"temperature": 1.0, "logprobs": 0, **sampling, "n": group_size})
         outputs = llm.generate(prompts, sp, use_tqdm=False)
-        batches = parse_vllm_outputs(outputs, group_size, reward_fn, metadata=metadata, uids=uids, device="cpu")
+        batches = parse_vllm_outputs(outputs, group_size, reward_fn, metadata=metadata, uids=uids,
+                                     policy_version=version, device="cpu")
         return [b.compute_advantages() for b in batches]
 
     def forward_backward(self, rollouts: list, loss_fn) -> dict:
