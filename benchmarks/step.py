@@ -136,27 +136,29 @@ def run_minirl(args, model: str) -> dict:
             "python launch/colocated.py " + " ".join(argv)}
 
 
+def _allocator() -> tuple[int, int]:
+    """The CUDA allocator's retries (its cache freed to fit an allocation) and device allocations so far."""
+    import torch
+    st = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+    return st.get("num_alloc_retries", 0), st.get("num_device_alloc", 0)
+
+
 def _record_training(mod) -> list[dict]:
     """Each training step's torch.compile work and allocator events (launch's train_step wrapped):
     graphs compiled by Dynamo, the seconds Dynamo and Inductor spent compiling, and the CUDA
     allocator's retries (its cache freed to fit an allocation) and fresh device allocations. A step
     slow only once with none of these lost its time elsewhere (e.g. kernels built at first launch)."""
-    import torch
     import torch._dynamo.utils as du
     calls, real = [], mod.common.train_step
-
-    def allocator() -> tuple[int, int]:
-        st = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
-        return st.get("num_alloc_retries", 0), st.get("num_device_alloc", 0)
 
     def seconds() -> float:                               # frames (forward included), then backward graphs
         times = getattr(du, "compilation_time_metrics", {})
         return sum(sum(times.get(k, ())) for k in ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler"))
 
     def train_step(*a, **kw):
-        graphs, t, (retries, allocs) = du.counters["stats"]["unique_graphs"], seconds(), allocator()
+        graphs, t, (retries, allocs) = du.counters["stats"]["unique_graphs"], seconds(), _allocator()
         out = real(*a, **kw)
-        now = allocator()
+        now = _allocator()
         calls.append({"train_graphs": du.counters["stats"]["unique_graphs"] - graphs,
                       "train_compile_s": round(seconds() - t, 3), "train_alloc_retries": now[0] - retries,
                       "train_device_allocs": now[1] - allocs})
@@ -196,7 +198,6 @@ def _record_engine_steps(mod, args) -> list[dict]:
     tried again) and fresh device allocations in the phase. One dict per call, in step order."""
     import gc
     import os
-    import torch
     from minirl import vllm_compat as vc
     calls, real, in_gc = [], mod.run_episodes, [0.0, 0.0, 0]
 
@@ -207,9 +208,6 @@ def _record_engine_steps(mod, args) -> list[dict]:
             in_gc[0] += time.perf_counter() - in_gc[1]
             in_gc[2] += info["generation"] == 2
 
-    def allocator() -> tuple[int, int]:
-        st = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
-        return st.get("num_alloc_retries", 0), st.get("num_device_alloc", 0)
 
     episodes = varied_lengths(args, digit_fraction) if args.lengths == "lognormal" else None
 
@@ -217,14 +215,14 @@ def _record_engine_steps(mod, args) -> list[dict]:
         if episodes is not None:                          # the launch's episode, at varied lengths
             a = (episodes(), *a[1:])
         in_gc[0], in_gc[2], wall, cpu = 0.0, 0, time.perf_counter(), time.thread_time()
-        every, (retries, allocs) = time.process_time(), allocator()
+        every, (retries, allocs) = time.process_time(), _allocator()
         gc.callbacks.append(collecting)
         try:
             with vc.recorded_steps(llm) as steps:
                 out = real(llm, *a, **kw)
         finally:
             gc.callbacks.remove(collecting)
-        tokens, now = [n for _, n, _ in steps if n], allocator()
+        tokens, now = [n for _, n, _ in steps if n], _allocator()
         calls.append({"engine_steps": len(steps), "engine_step_ms": 1e3 * sum(t for t, _, _ in steps) / max(len(steps), 1),
                       "engine_s": sum(t for t, _, _ in steps), "max_batch_tokens": max(tokens, default=0),
                       "prefill_steps": sum(bool(p) for _, _, p in steps), "rollout_wall_s": time.perf_counter() - wall,
