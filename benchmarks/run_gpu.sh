@@ -99,6 +99,9 @@ for stage in "$@"; do
       # time, cProfile (host) and torch.profiler (device) of the rollout; DECODE_SHAPE (qwen3-0.6b)
       timeout 500 python benchmarks/decode_host.py --shape "${DECODE_SHAPE:-qwen3-0.6b}" \
         --out "$out/decode_host_${DECODE_SHAPE:-qwen3-0.6b}.json" 2>&1 | grep -v "^\[\|INFO\|WARNING" | tail -60 ;;
+    decode-host-mp)   # the same with the engine core in its own process (vLLM's default), as minirl does not run it
+      timeout 500 python benchmarks/decode_host.py --shape "${DECODE_SHAPE:-qwen3-0.6b}" --engine-process \
+        --out "$out/decode_host_${DECODE_SHAPE:-qwen3-0.6b}_mp.json" 2>&1 | grep -v "^\[\|INFO\|WARNING" | tail -40 ;;
     soak)   # the async backend on one GPU (tiny model, two generators and the trainer sharing it) under
       # generator, queue, trainer and queue+trainer kills for SOAK_MINUTES (6); every prompt trained once?
       timeout 590 python benchmarks/soak.py --gpu --minutes "${SOAK_MINUTES:-6}" --max-gap 30 \
