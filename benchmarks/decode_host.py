@@ -40,6 +40,16 @@ else:
 from benchmarks.models import build_random_model  # noqa: E402
 
 
+STEP_PARTS = {"llm_engine.py:step", "core.py:step", "core.py:step_with_batch_queue", "scheduler.py:schedule",
+              "scheduler.py:update_from_output", "output_processor.py:process_outputs",
+              "gpu_model_runner.py:execute_model", "gpu_model_runner.py:sample_tokens",
+              "model_runner.py:execute_model", "model_runner.py:sample_tokens",   # vLLM's V2 model runner
+              "episodes.py:_step", "episodes.py:_serve"}
+"""Where a step's host time goes (file:function, cumulative seconds under cProfile): the engine's
+step, the engine core's, the scheduler's two halves, the output processing, the model runner's
+two halves, and minirl's runner around them."""
+
+
 def timed(label: str, fn, results: dict, engine_steps) -> None:
     """Run fn (a rollout) once; record wall, the thread's CPU seconds and the engine's steps."""
     with engine_steps() as steps:
@@ -132,6 +142,12 @@ def main() -> None:
     host = [{"function": f"{Path(f).name}:{line}:{name}", "calls": v[1], "tottime_s": round(v[2], 4),
              "share": round(v[2] / total, 4)}
             for (f, line, name), v in sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:args.top]]
+    parts: dict = {}                    # a step's parts: seconds inside each (cumulative), calls
+    for (f, line, name), v in stats.stats.items():
+        key = f"{Path(f).name}:{name}"
+        if key in STEP_PARTS:
+            calls, cum = parts.get(key, (0, 0.0))
+            parts[key] = (calls + v[0], cum + v[3])
 
     device = None
     if cuda and not args.engine_process:                            # device: kernel seconds in one rollout's wall
@@ -157,7 +173,9 @@ def main() -> None:
            "device_name": torch.cuda.get_device_name() if cuda else "cpu",
            "vllm": __import__("vllm").__version__, "engine_start_s": round(engine_s, 1),
            "async_scheduling": bool(getattr(llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", None)),
-           "runs": results, "best": best, "host_profile": {"wall_s": round(profiled_wall, 3), "top": host},
+           "runs": results, "best": best, "host_profile": {"wall_s": round(profiled_wall, 3), "top": host,
+                                                   "parts": {k: {"calls": c, "cum_s": round(t, 4)}
+                                                             for k, (c, t) in sorted(parts.items())}},
            "device_profile": device}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -50,11 +50,13 @@ def test_logprobs_benchmark_smoke(tmp_path):
 def test_step_benchmark_smoke(tmp_path):
     """minirl's side of the whole-step benchmark: every step's phases, its engine steps (one prefill
     step, then a decode step per further token: at most 16), what the plan chose, and nonzero
-    advantages from the DIGITS reward on a random model (every step trains and syncs a change)."""
+    advantages from the DIGITS reward on a random model (every step trains and syncs a change);
+    with --lengths lognormal each step's completions are cut at varied lengths (a median of 0.35 x 16
+    tokens: far fewer than 4 x 8 x 16 in all), and each training step records its compile work."""
     out = tmp_path / "step.json"
     p = run_py(["benchmarks/step.py", "--shape", "tiny", "--prompts", "4", "--steps", "3", "--max-tokens", "16",
-                "--sides", "minirl", "--models-dir", str(tmp_path / "models"), "--work", str(tmp_path / "w"),
-                "--out", str(out)], timeout=600)
+                "--sides", "minirl", "--lengths", "lognormal", "--models-dir", str(tmp_path / "models"),
+                "--work", str(tmp_path / "w"), "--out", str(out)], timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     side = json.loads(out.read_text())["sides"]["minirl"]
     assert len(side["steps"]) == 3 and side["sleep_level"] == 0 and side["activation_checkpointing"] is False
@@ -63,8 +65,32 @@ def test_step_benchmark_smoke(tmp_path):
         assert 0 < s["engine_s"] <= s["rollout_wall_s"] <= s["generate_s"] + s["sync_s"] and s["train_s"] > 0
         assert 0 < s["rollout_cpu_s"] and 0 <= s["gc_s"] < s["rollout_wall_s"]
         assert 0 < s["reward"] < 1 and s["adv_abs_mean"] > 0 and s["grad_norm"] > 0   # the weights move
+        assert s["generated_tokens"] < 0.7 * 4 * 8 * 16
+        assert s["train_graphs"] == 0 and s["train_compile_s"] == 0 and s["train_alloc_retries"] == 0  # CPU: eager
     assert all(s["probe_gap"] is not None for s in side["steps"][1:])                 # and every sync is checked
+    assert len({s["generated_tokens"] for s in side["steps"]}) == 3                   # drawn anew each step
     assert "| minirl |" in out.with_suffix(".md").read_text()
+
+
+def test_decode_host_benchmark_smoke(tmp_path):
+    """Every lever's rollout ran on the same engine (ignore_eos: every completion max_tokens long, one
+    engine step a token after the prefill), and the host profile lists the engine's step."""
+    out = tmp_path / "dh.json"
+    p = run_py(["benchmarks/decode_host.py", "--shape", "tiny", "--prompts", "4", "--max-tokens", "16",
+                "--repeats", "1", "--models-dir", str(tmp_path / "models"), "--out", str(out)], timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    best = doc["best"]
+    assert len(best) == 5 and doc["engine_process"] is False
+    assert best["generate, no logprobs, ignore_eos"]["tokens"] == 4 * 8 * 16
+    assert all(0 < b["tokens"] <= 4 * 8 * 16 and 2 <= b["engine_steps"] <= 17 and b["wall_s"] > 0 for b in best.values())
+    host = doc["host_profile"]
+    assert host["top"] and 0 < sum(f["share"] for f in host["top"]) <= 1.0001
+    parts = host["parts"]                                  # the engine's step inside minirl's, each step timed
+    assert parts["episodes.py:_step"]["calls"] == parts["llm_engine.py:step"]["calls"] >= 2
+    assert 0 < parts["scheduler.py:schedule"]["cum_s"] < parts["llm_engine.py:step"]["cum_s"] \
+        <= parts["episodes.py:_step"]["cum_s"] < parts["episodes.py:_serve"]["cum_s"]
+    assert Path(out.with_suffix(".prof.txt")).read_text().strip()
 
 
 def test_train_phase_benchmark_smoke(tmp_path):
