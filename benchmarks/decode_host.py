@@ -50,18 +50,20 @@ step, the engine core's, the scheduler's two halves, the output processing, the 
 two halves, and minirl's runner around them."""
 
 
-def timed(label: str, fn, results: dict, engine_steps) -> None:
-    """Run fn (a rollout) once; record wall, the thread's CPU seconds and the engine's steps."""
-    with engine_steps() as steps:
+def timed(label: str, fn, llm) -> dict:
+    """Run fn (a rollout on llm) once: its wall, the thread's CPU seconds and the engine's steps."""
+    from minirl import vllm_compat as vc
+    with vc.recorded_steps(llm) as steps:
         t0, c0 = time.perf_counter(), time.thread_time()
         tokens = fn()
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
     n = len(steps)
-    results[label] = {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3), "engine_steps": n, "tokens": tokens,
-                      "step_ms": round(1000 * sum(s for s, *_ in steps) / max(n, 1), 3),
-                      "wall_ms_per_step": round(1000 * wall / max(n, 1), 3)}
-    print(f"{label:32s} {wall:7.3f} s  {n:4d} steps  {results[label]['wall_ms_per_step']:7.3f} ms/step  "
+    run = {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3), "engine_steps": n, "tokens": tokens,
+           "step_ms": round(1000 * sum(s for s, *_ in steps) / max(n, 1), 3),
+           "wall_ms_per_step": round(1000 * wall / max(n, 1), 3)}
+    print(f"{label:36s} {wall:7.3f} s  {n:4d} steps  {run['wall_ms_per_step']:7.3f} ms/step  "
           f"cpu {cpu:6.3f} s  tokens {tokens}", flush=True)
+    return run
 
 
 def main() -> None:
@@ -124,10 +126,10 @@ def main() -> None:
         "generate, no logprobs, ignore_eos": lambda: generate(ignore_eos=True),
     }
     episodes()                          # warm-up: first-use costs (graphs, allocator, tokenizer)
-    results: dict = {}
-    for r in range(args.repeats):
+    runs: dict = {label: [] for label in variants}
+    for _ in range(args.repeats):                   # the levers in turn, so slow moments spread over all
         for label, fn in variants.items():
-            timed(f"{label} #{r}", fn, results, lambda: vc.recorded_steps(llm))
+            runs[label].append(timed(label, fn, llm))
 
     prof = cProfile.Profile()           # host: the launch's rollout under cProfile (slower; shares only)
     prof.enable()
@@ -150,7 +152,7 @@ def main() -> None:
             parts[key] = (calls + v[0], cum + v[3])
 
     device = None
-    if cuda and not args.engine_process:                            # device: kernel seconds in one rollout's wall
+    if cuda and not args.engine_process:    # device: kernel seconds in one rollout's wall
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as tp:
             t0 = time.perf_counter()
@@ -164,16 +166,13 @@ def main() -> None:
                           for e in kernels[:15]]}
         print(f"device: {busy:.3f} s of kernels in {wall:.3f} s ({busy / wall:.0%} busy)")
 
-    best = {}
-    for label in variants:
-        runs = [v for k, v in results.items() if k.rsplit(" #", 1)[0] == label]
-        best[label] = min(runs, key=lambda v: v["wall_s"])
-    out = {"shape": args.shape, "engine_process": args.engine_process, "prompts": args.prompts, "group_size": args.group_size,
-           "max_tokens": args.max_tokens, "engine_kwargs": {k: str(v) for k, v in kw.items()},
-           "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+    best = {label: min(r, key=lambda v: v["wall_s"]) for label, r in runs.items()}
+    out = {"shape": args.shape, "engine_process": args.engine_process, "prompts": args.prompts,
+           "group_size": args.group_size, "max_tokens": args.max_tokens,
+           "engine_kwargs": {k: str(v) for k, v in kw.items()}, "device_name": torch.cuda.get_device_name() if cuda else "cpu",
            "vllm": __import__("vllm").__version__, "engine_start_s": round(engine_s, 1),
            "async_scheduling": bool(getattr(llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", None)),
-           "runs": results, "best": best, "host_profile": {"wall_s": round(profiled_wall, 3), "top": host,
+           "runs": runs, "best": best, "host_profile": {"wall_s": round(profiled_wall, 3), "top": host,
                                                    "parts": {k: {"calls": c, "cum_s": round(t, 4)}
                                                              for k, (c, t) in sorted(parts.items())}},
            "device_profile": device}

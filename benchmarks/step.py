@@ -25,8 +25,8 @@ training seconds; generated and trained tokens/s; the device's peak memory in us
 trained (prompt + completion) / training seconds / peak, N the model's parameter count, peak
 989.4 TFLOP/s (H200 dense bf16). minirl's steps also record their generation's engine steps (count,
 ms a step, sequences at once), its wall, CPU and garbage-collector seconds (and full collections,
-objects frozen out of them), each training step's torch.compile graphs and seconds and allocator retries, and what the memory plan chose (sleep level, micro-batch tokens,
-recomputed layers of all).
+objects frozen out of them), each training step's torch.compile graphs and seconds and allocator
+retries, and what the memory plan chose (sleep level, micro-batch tokens, recomputed layers of all).
 
     python benchmarks/step.py --shape qwen3-0.6b --max-tokens 256 --out $OUT/step_qwen3-0.6b_256.json
     python benchmarks/step.py --shape tiny --prompts 4 --steps 3 --sides minirl --out /tmp/step.json  # CPU
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import shlex
@@ -102,7 +103,9 @@ def run_minirl(args, model: str) -> dict:
     argv = ["--model", model, "--task", "digits", "--prompts", str(args.prompts), "--group-size", str(args.group_size),
             "--max-tokens", str(args.max_tokens), "--max-model-len", str(args.max_tokens + 64),
             "--steps", str(args.steps), "--backends", "", "--run-dir", str(run_dir), *args.minirl_args]
-    engine, seen = _record_engine_steps(mod, args), {}
+    if args.lengths == "lognormal":
+        varied_lengths(mod, args)                         # before the records: they time this loop's rollouts
+    engine, seen = _record_engine_steps(mod), {}
     training = _record_training(mod)
     real_close = mod.WeightManager.close
 
@@ -167,28 +170,27 @@ def _record_training(mod) -> list[dict]:
     return calls
 
 
-def varied_lengths(args, reward):
-    """The --lengths lognormal workload: one turn whose max_tokens is drawn per episode from a
-    log-normal (median --length-median x --max-tokens, sigma --length-sigma, cut at --max-tokens), as
-    a stop rule ending completions at varied lengths would; seeded by step and episode."""
+def varied_lengths(mod, args) -> None:
+    """The --lengths lognormal workload: each of the loop's rollouts (run_episodes wrapped) runs one
+    turn whose max_tokens is drawn per episode from a log-normal (median --length-median x
+    --max-tokens, sigma --length-sigma, cut at --max-tokens), as a stop rule ending completions at
+    varied lengths would, scored by DIGITS; seeded by the rollout's number and the episode's."""
     import random
-    from minirl.episodes import Episode
-    calls = [0]
+    real, calls = mod.run_episodes, itertools.count(1)
 
-    def episode_fn():
-        calls[0] += 1
-        step = calls[0]
+    def run_episodes(llm, episode, *a, **kw):
+        k = next(calls)
 
-        async def episode(ep: Episode) -> float:
-            rng = random.Random(f"{args.length_seed}/{step}/{ep.index}")
+        async def cut(ep) -> float:
+            rng = random.Random(f"{args.length_seed}/{k}/{ep.index}")
             n = rng.lognormvariate(math.log(args.length_median * args.max_tokens), args.length_sigma)
             turn = await ep.generate(max_tokens=max(1, min(args.max_tokens, round(n))))
-            return reward(ep.prompt, turn.text)
-        return episode
-    return episode_fn
+            return digit_fraction(ep.prompt, turn.text)
+        return real(llm, cut, *a, **kw)
+    mod.run_episodes = run_episodes
 
 
-def _record_engine_steps(mod, args) -> list[dict]:
+def _record_engine_steps(mod) -> list[dict]:
     """Each generation phase's engine steps (vllm_compat.recorded_steps around the loop's
     run_episodes): how many, their mean milliseconds, the most tokens one scheduled (the sequences
     decoding at once) and how many mixed in prefill; and the phase's wall, this thread's CPU
@@ -208,12 +210,7 @@ def _record_engine_steps(mod, args) -> list[dict]:
             in_gc[0] += time.perf_counter() - in_gc[1]
             in_gc[2] += info["generation"] == 2
 
-
-    episodes = varied_lengths(args, digit_fraction) if args.lengths == "lognormal" else None
-
     def run_episodes(llm, *a, **kw):
-        if episodes is not None:                          # the launch's episode, at varied lengths
-            a = (episodes(), *a[1:])
         in_gc[0], in_gc[2], wall, cpu = 0.0, 0, time.perf_counter(), time.thread_time()
         every, (retries, allocs) = time.process_time(), _allocator()
         gc.callbacks.append(collecting)
