@@ -1,5 +1,5 @@
 """A Hugging Face causal LM loaded to train: path and identity, precision, attention over packed
-rows (flash varlen on CUDA, SDPA with a block-diagonal mask elsewhere), FSDP2 sharding per decoder
+rows (flash varlen on CUDA, SDPA once per rollout elsewhere), FSDP2 sharding per decoder
 layer, and which decoder layers recompute their activations. Used by minirl.trainer.Trainer.
 
     model = load_fsdp_model(check_model_path("Qwen/Qwen3-0.6B"), device, world, torch.bfloat16)
@@ -76,16 +76,32 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 _VARLEN_PARAMS: set = set()     # varlen_attn's keyword names in this torch (filled on registration)
 
 
+@torch.compiler.disable      # a loop over the rollouts: compiled layers run it eagerly between graphs
+def _sdpa_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, 0), enable_gqa=False):
+    """torch.nn.attention.varlen.varlen_attn's contract (packed (T, H, D) rows, causal) by SDPA once
+    per rollout, where that kernel is missing (CPU): one block-diagonal mask over a packed row costs
+    the row's length squared (SmolLM2-135M, 128 rollouts of 50 tokens: 1.8x the time, +5 GiB)."""
+    cu = cu_q.tolist()
+    q, k, v = (x.transpose(0, 1) for x in (q, k, v))                                 # (H, T, D)
+    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True, scale=scale, enable_gqa=enable_gqa)
+        for a, b in zip(cu, cu[1:])], dim=1).transpose(0, 1)
+
+
 def _varlen_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
                       cu_seq_lens_q=None, max_length_q=None, **kwargs):
-    """transformers attention over packed rows with torch's flash varlen kernel: (B, H, T, D) in,
-    (B, T, H, D) out. Rows without cu_seq_lens are one sequence each; a padded batch (an
-    attention mask: collate's right padding) takes transformers' exact SDPA path instead."""
-    from torch.nn.attention.varlen import varlen_attn
+    """transformers attention over packed rows, attention within each rollout: (B, H, T, D) in,
+    (B, T, H, D) out, by torch's flash varlen kernel on CUDA, _sdpa_varlen elsewhere. Rows without
+    cu_seq_lens are one sequence each; a padded batch (an attention mask: collate's right padding)
+    takes transformers' exact SDPA path instead."""
     if attention_mask is not None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
+    if query.is_cuda:
+        from torch.nn.attention.varlen import varlen_attn as kernel
+    else:
+        kernel = _sdpa_varlen
     B, H, T, D = query.shape
     if cu_seq_lens_q is None:
         cu_seq_lens_q, max_length_q = torch.arange(0, (B + 1) * T, T, dtype=torch.int32,
@@ -97,27 +113,30 @@ def _varlen_attention(module, query, key, value, attention_mask, *, scaling=None
         extra["enable_gqa"] = True
     elif k.shape[1] != H:
         k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))
-    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling, **extra)
+    out = kernel(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling, **extra)
     return out.view(B, T, H, D), None
 
 
 def _attention(name: str, device: torch.device) -> str:
-    """The transformers attn_implementation for TrainerConfig.attention (registers varlen)."""
+    """The transformers attn_implementation for TrainerConfig.attention (registers minirl's)."""
     if name not in ("auto", "varlen", "sdpa"):
         raise ValueError(f"attention={name!r}: choose 'auto', 'varlen' or 'sdpa'")
     has_varlen = device.type == "cuda" and find_spec("torch.nn.attention.varlen") is not None
     if name == "varlen" and not has_varlen:
         raise ValueError("attention='varlen' needs CUDA and torch.nn.attention.varlen (torch >= 2.10): "
-                         "use 'sdpa'")
-    return "sdpa" if name == "sdpa" or not has_varlen else _register_varlen()
+                         "use 'sdpa' or 'auto'")
+    if name == "sdpa" or device.type == "cuda" and not has_varlen:
+        return "sdpa"
+    return _register_varlen(has_varlen)
 
 
-def _register_varlen() -> str:
+def _register_varlen(has_varlen: bool) -> str:
     import inspect
-    from torch.nn.attention.varlen import varlen_attn
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    _VARLEN_PARAMS.update(inspect.signature(varlen_attn).parameters)
+    if has_varlen:
+        from torch.nn.attention.varlen import varlen_attn
+    _VARLEN_PARAMS.update(inspect.signature(varlen_attn if has_varlen else _sdpa_varlen).parameters)
     AttentionInterface.register("minirl_varlen", _varlen_attention)
     AttentionMaskInterface.register(
         "minirl_varlen", lambda **kw: None if kw.get("attention_mask") is None else sdpa_mask(**kw))

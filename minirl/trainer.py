@@ -57,7 +57,8 @@ class TrainerConfig:
     first. Needs compile. None: 1, or memory.LOW_MEMORY_BUDGET where only that lets a longer planned
     micro-batch fit."""
     attention: str = "auto"
-    """"varlen" (torch's flash varlen kernel, CUDA), "sdpa" (a block-diagonal mask), "auto"."""
+    """"varlen" (torch's flash varlen kernel, CUDA), "sdpa" (a block-diagonal mask over each packed
+    row), "auto" (varlen on CUDA; elsewhere SDPA once per rollout)."""
     seed: int = 0
     dist_timeout_s: float = 600.0
     """Timeout of every collective in the training process group."""

@@ -341,39 +341,32 @@ def test_two_ranks_with_uneven_rollouts_give_the_one_rank_update(tiny_model, tmp
         torch.testing.assert_close(w1[n], w2[n], atol=1e-6, rtol=1e-5)
 
 
-def _reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
-                           enable_gqa=False):
-    """torch.nn.attention.varlen.varlen_attn's contract in plain torch (causal when
-    window_size=(-1, 0)): each segment of the packed (T, H, D) rows attends within itself."""
-    import torch.nn.functional as F
-    assert window_size == (-1, 0) and cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k)
-    assert enable_gqa == (k.shape[1] != q.shape[1])
-    out = torch.empty_like(q)
-    for a, b in zip(cu_q.tolist(), cu_q.tolist()[1:]):
-        qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))                  # (H, t, D)
-        out[a:b] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                                  enable_gqa=enable_gqa).transpose(0, 1)
-    return out
-
-
-def test_varlen_attention_plumbing_on_cpu(tmp_path, monkeypatch):
-    """minirl's varlen attention inside transformers (registration, the cu_seq_lens kwargs, the
-    mask hook, grouped-query heads), with a plain-torch kernel standing in for the CUDA one: a
-    packed row gives each sequence's own logits, and a padded batch takes the exact SDPA path."""
-    import torch.nn.attention.varlen as varlen
+def test_packed_attention_on_cpu_stays_within_each_rollout(tmp_path, monkeypatch):
+    """CPU's packed attention (TrainerConfig.attention="auto": SDPA once per rollout, with
+    varlen_attn's contract) inside transformers (registration, the cu_seq_lens kwargs, the mask
+    hook, grouped-query heads): a packed row gives each sequence's own logits, and a padded batch
+    takes the exact SDPA path."""
     from transformers import AutoModelForCausalLM
     from minirl import model as model_mod
     from minirl.recipes.tiny import build_tiny_model
-    monkeypatch.setattr(varlen, "varlen_attn", _reference_varlen_attn)
+    calls = []
+    kernel = model_mod._sdpa_varlen
+
+    def spy(q, k, v, cu_q, cu_k, *args, **kw):
+        calls.append((cu_q.dtype, torch.equal(cu_q, cu_k), kw.get("window_size"), kw.get("enable_gqa")))
+        return kernel(q, k, v, cu_q, cu_k, *args, **kw)
+    name = model_mod._attention("auto", torch.device("cpu"))
+    assert name == "minirl_varlen"
+    monkeypatch.setattr(model_mod, "_sdpa_varlen", spy)
     path = build_tiny_model(tmp_path / "gqa", hidden_size=256, num_heads=4, num_kv_heads=2)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 attn_implementation=model_mod._register_varlen())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=name)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     rs = _rollouts(3)
     (mb,) = pack(rs, max_tokens=1000)
     with torch.no_grad():
         packed = model(mb.input_ids, position_ids=mb.position_ids, use_cache=False, cu_seq_lens_q=mb.cu_seqlens,
                        max_length_q=mb.max_seqlen).logits[0]
+        assert calls and set(calls) == {(torch.int32, True, (-1, 0), True)}     # causal, grouped heads
         for s, r in enumerate(rs):
             a, b = mb.cu_seqlens[s], mb.cu_seqlens[s + 1]
             torch.testing.assert_close(packed[a:b], ref(r.token_ids).logits[0], atol=1e-5, rtol=1e-5)
