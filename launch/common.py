@@ -72,7 +72,7 @@ def parse_args(doc: str, run_dir: str, argv=None, *, async_loop: bool = False):
     add("--optim-steps", type=int, default=1, help="optimizer steps per pass (gradients accumulated)")
     add("--micro-batch-tokens", type=int, default=None, help="tokens per packed micro-batch (default: planned on "
         "CUDA, the largest of 32,768 / 16,384 / 8,192 that fits without recomputing layers, at activation "
-        "memory budget 1 or else 0.6; 16,384 elsewhere)")
+        "memory budget 1 or else 0.6; 4,096 on CPU)")
     add("--activation-checkpointing", nargs="?", type=int, const=True, default=None, metavar="LAYERS",
         help="recompute decoder layers' activations in backward: every layer, or LAYERS of them "
              "(default: the memory plan decides, CUDA)")

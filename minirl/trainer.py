@@ -49,8 +49,9 @@ class TrainerConfig:
     layer, an int that many (evenly spaced), False none. None: none, or the fewest layers that make
     a micro-batch fit in the co-located memory plan (minirl.memory, CUDA)."""
     micro_batch_tokens: int | None = None
-    """Token budget of one packed micro-batch (a longer rollout gets a row of its own). None: 16,384,
-    or the largest of memory.PLANNED_TOKENS that fits in the co-located memory plan (CUDA)."""
+    """Token budget of one packed micro-batch (a longer rollout gets a row of its own). None: on CUDA
+    16,384, or the largest of memory.PLANNED_TOKENS that fits in the co-located memory plan; on CPU
+    4,096 (SmolLM2-135M: larger ones only cost memory, and 32 x 8 rollouts then overran 24 GiB)."""
     activation_memory_budget: float | None = None
     """torch.compile's activation memory budget for the compiled decoder layers, in (0, 1]: 1 keeps
     what its partitioner saves for backward by default; lower values recompute more, the cheapest ops
@@ -91,8 +92,10 @@ class Trainer:
 
     def __init__(self, model: str, config: TrainerConfig | None = None):
         cfg = self.config = config or TrainerConfig()      # as the user gave it, never rewritten
-        # the token budget of a packed micro-batch: the config's, 16,384, or a memory plan's (apply)
-        self.micro_batch_tokens = 16384 if cfg.micro_batch_tokens is None else cfg.micro_batch_tokens
+        device = pick_device(int(os.environ.get("LOCAL_RANK", 0)))
+        # the token budget of a packed micro-batch: the config's, the device's, or a memory plan's (apply)
+        self.micro_batch_tokens = cfg.micro_batch_tokens if cfg.micro_batch_tokens is not None else (
+            16384 if device.type == "cuda" else 4096)
         if self.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
         budget = cfg.activation_memory_budget
@@ -100,7 +103,7 @@ class Trainer:
             raise ValueError(f"activation_memory_budget must be in (0, 1] (1: what torch.compile saves by "
                              f"default) or None (planned), got {budget}")
         self.path = check_model_path(model)
-        self.compute_dtype = precision(cfg.mixed_precision, pick_device(int(os.environ.get("LOCAL_RANK", 0))))
+        self.compute_dtype = precision(cfg.mixed_precision, device)
         self.rank = init_distributed(cfg.dist_timeout_s)
         self.device = self.rank.device
         torch.manual_seed(cfg.seed)        # the same on every rank while loading: LoRA's initial A agrees

@@ -442,7 +442,7 @@ def test_a_planned_micro_batch_is_the_largest_that_fits(tiny_model, monkeypatch,
     from minirl.trainer import Trainer, TrainerConfig
     gib, seen = 2**30, []
     tr = Trainer(tiny_model, TrainerConfig(lr=1e-3))
-    assert tr.config.micro_batch_tokens is None and tr.micro_batch_tokens == 16384   # what runs where no plan does
+    assert tr.config.micro_batch_tokens is None and tr.micro_batch_tokens == 4096    # what runs on CPU (no plan)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
     peak = lambda n: int(2 * gib + n * per_token_mib * 2**20 + (bump_gib * gib if n == 32768 else 0))
     monkeypatch.setattr(memory, "trial_peak", lambda _, n: seen.append(n) or peak(n) + gib)
@@ -501,7 +501,7 @@ def test_a_plan_leaves_the_config_as_given_and_names_what_was_set(tiny_model, mo
     gib, cfg = 2**30, TrainerConfig(lr=1e-3, **kw)
     tr = Trainer(tiny_model, cfg)
     cpu = memory.plan(tr, {}, WeightManagerConfig(trainer=cfg, sleep_level=0))
-    assert cpu.micro_batch_tokens == kw.get("micro_batch_tokens", 16384) and cpu.peak_bytes is None
+    assert cpu.micro_batch_tokens == kw.get("micro_batch_tokens", 4096) and cpu.peak_bytes is None
     assert cpu.user_set == tuple(k for k in ("micro_batch_tokens", "recomputed_layers") if k in kw or
                                  k == "recomputed_layers" and "activation_checkpointing" in kw)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
