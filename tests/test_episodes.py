@@ -156,7 +156,6 @@ def test_seeded_prompts_beyond_one_steps_token_budget_sample_on_cpu(wm):
     assert all(len(r.completion_ids) >= 1 for b in first for r in b)
 
 
-
 def test_a_session_collects_young_objects_less_often_and_restores_the_collector(wm):
     """Inside a session the collector's first threshold is config.gc_threshold (fewer full scans of
     the heap while the engine steps); after it, also when an episode raised, it is what it was; None
