@@ -9,6 +9,7 @@ on a new vLLM): `llm_engine.model_executor.driver_worker.worker`, its model's `l
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -271,9 +272,37 @@ except ImportError:
 
 
 def add_request(llm: LLM, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
-    """A request of token ids; vLLM validates it as any other (length, vocabulary)."""
+    """A request of token ids; vLLM validates it as any other (length, vocabulary). One that keeps
+    only its sampled tokens' log-probs in flat lists, undecoded (request_params(logprobs=0)), has them
+    appended in bulk by `_append_sampled` instead of vLLM's per-position loop: the same values."""
     prompt = TokensPrompt(prompt_token_ids=token_ids) if tokens_input is None else tokens_input(list(token_ids))
     llm.llm_engine.add_request(request_id, prompt, params)
+    if params.logprobs == 0 and not params.detokenize and params.flat_logprobs:
+        processor = getattr(llm.llm_engine, "output_processor", None)
+        for rid in getattr(processor, "external_req_ids", {}).get(request_id, ()):
+            lp = getattr(processor.request_states.get(rid), "logprobs_processor", None)
+            if lp is not None and lp.tokenizer is None:
+                lp._update_sample_logprobs = functools.partial(_append_sampled, lp)
+
+
+def _append_sampled(lp, logprobs_lists) -> None:
+    """vLLM's LogprobsProcessor._update_sample_logprobs for a request with logprobs=0, flat log-probs
+    and no tokenizer: one entry per position (the sampled token, its log-prob, its rank, no text),
+    appended with one tolist per array instead of three per position; cumulative_logprob summed in
+    the same order."""
+    token_ids, logprobs, ranks = logprobs_lists[0], logprobs_lists[1], logprobs_lists[2]
+    values = logprobs[:, 0].tolist()
+    flat, start = lp.logprobs, len(lp.logprobs.logprobs)
+    flat.start_indices.extend(range(start, start + len(values)))
+    flat.end_indices.extend(range(start + 1, start + 1 + len(values)))
+    flat.token_ids.extend(token_ids[:, 0].tolist())
+    flat.logprobs.extend(values)
+    flat.ranks.extend(ranks.tolist())
+    flat.decoded_tokens.extend([None] * len(values))
+    total = lp.cumulative_logprob
+    for v in values:
+        total += v
+    lp.cumulative_logprob = total
 
 
 def engine_step(llm: LLM) -> list:

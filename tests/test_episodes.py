@@ -128,6 +128,40 @@ def test_masks_and_logprobs_align_with_the_engine(wm):
     assert batch.old_logprobs[0, P - 1 + 4].item() == pytest.approx(r.sampling_logprobs[4])
 
 
+def test_sampled_logprobs_kept_in_bulk_equal_vllms_own(wm, monkeypatch):
+    """A request with logprobs=0, undecoded, has its sampled tokens' log-probs appended in bulk
+    (vllm_compat._append_sampled) in place of vLLM's per-position loop; seeded, the same requests
+    give identical FlatLogprobs (ids, values, ranks, positions) and cumulative log-prob either way,
+    and the bulk path really ran."""
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    llm = wm.as_vllm()
+    ids = llm.get_tokenizer().encode("3+4=")
+
+    def finished(tag):
+        for i in range(3):
+            vc.add_request(llm, f"{tag}{i}", ids, vc.request_params(max_tokens=6, ignore_eos=True, seed=i,
+                                                                    temperature=1.0, logprobs=0, detokenize=False))
+        done = {}
+        while len(done) < 3:
+            done.update((o.request_id, o.outputs[0]) for o in vc.engine_step(llm) if o.finished)
+        return [done[f"{tag}{i}"] for i in range(3)]
+
+    bulk_calls = []
+    bulk = vc._append_sampled
+    monkeypatch.setattr(vc, "_append_sampled", lambda lp, lists: bulk_calls.append(1) or bulk(lp, lists))
+    fast = finished("bulk")
+    monkeypatch.setattr(vc, "_append_sampled", lambda lp, lists: LogprobsProcessor._update_sample_logprobs(lp, lists))
+    slow = finished("own")
+    assert len(bulk_calls) >= 6                                   # 3 requests x 6 tokens, bulk at every step
+    for a, b in zip(fast, slow):
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 6
+        for field in ("start_indices", "end_indices", "token_ids", "logprobs", "ranks", "decoded_tokens"):
+            assert getattr(a.logprobs, field) == getattr(b.logprobs, field), field
+        assert a.cumulative_logprob == b.cumulative_logprob and a.cumulative_logprob < 0
+        assert vc.sampled_logprobs(a) == a.logprobs.logprobs and len(a.logprobs.logprobs) == 6
+
+
 def test_single_turn_is_the_one_turn_episode(wm):
     """What the loops ran before: group_size completions per prompt, scored by reward_fn with metadata."""
     calls = []
