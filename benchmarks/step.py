@@ -126,9 +126,10 @@ def run_minirl(args, model: str) -> dict:
     starts = [t0] + [r["time"] for r in rows[:-1]]
     steps = []
     for r, start in zip(rows, starts):
-        sync = sum(r.get(f"sync/{k}", 0.0) for k in ("wake_s", "sync_s", "verify_s", "sleep_s", "offload_s"))
+        parts = {f"sync_{k}": r.get(f"sync/{k}", 0.0) for k in ("wake_s", "sync_s", "verify_s", "sleep_s", "offload_s")}
+        sync = sum(parts.values())
         n = args.prompts * args.group_size
-        steps.append({"step_s": r["time"] - start, "sync_s": sync, "generate_s": r["time/rollouts"] - sync,
+        steps.append({"step_s": r["time"] - start, "sync_s": sync, **parts, "generate_s": r["time/rollouts"] - sync,
                       "train_s": r["time/train"], "generated_tokens": r["len/completion"] * n,
                       "trained_tokens": (r["len/completion"] + r["len/prompt"]) * n, "loss": r["loss"],
                       "reward": r["reward/mean"], "adv_abs_mean": r["adv/abs_mean"], "grad_norm": r["grad_norm"],

@@ -7,6 +7,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from conftest import run_py
 
 
@@ -63,11 +65,13 @@ def test_step_benchmark_smoke(tmp_path):
     for s in side["steps"]:
         assert 2 <= s["engine_steps"] <= 16 and s["prefill_steps"] == 1 and s["max_batch_tokens"] > 4 * 8
         assert 0 < s["engine_s"] <= s["rollout_wall_s"] <= s["generate_s"] + s["sync_s"] and s["train_s"] > 0
+        assert s["sync_s"] == pytest.approx(sum(s[f"sync_{k}_s"] for k in ("wake", "sync", "verify", "sleep", "offload")))
         assert 0 < s["rollout_cpu_s"] and 0 <= s["gc_s"] < s["rollout_wall_s"]
         assert 0 < s["reward"] < 1 and s["adv_abs_mean"] > 0 and s["grad_norm"] > 0   # the weights move
         assert s["generated_tokens"] < 0.7 * 4 * 8 * 16
         assert s["train_graphs"] == 0 and s["train_compile_s"] == 0 and s["train_alloc_retries"] == 0  # CPU: eager
-    assert all(s["probe_gap"] is not None for s in side["steps"][1:])                 # and every sync is checked
+    assert all(s["probe_gap"] is not None and s["sync_sync_s"] > 0 and s["sync_verify_s"] > 0
+               for s in side["steps"][1:])                                            # and every sync is checked
     assert len({s["generated_tokens"] for s in side["steps"]}) == 3                   # drawn anew each step
     assert "| minirl |" in out.with_suffix(".md").read_text()
 
@@ -81,8 +85,9 @@ def test_decode_host_benchmark_smoke(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads(out.read_text())
     best = doc["best"]
-    assert len(best) == 5 and doc["engine_process"] is False
+    assert len(best) == 6 and doc["engine_process"] is False
     assert best["generate, no logprobs, ignore_eos"]["tokens"] == 4 * 8 * 16
+    assert best["episodes (launch's rollout)"]["tokens"] == best["episodes, vLLM's per-token log-probs"]["tokens"]
     assert all(0 < b["tokens"] <= 4 * 8 * 16 and 2 <= b["engine_steps"] <= 17 and b["wall_s"] > 0 for b in best.values())
     host = doc["host_profile"]
     assert host["top"] and 0 < sum(f["share"] for f in host["top"]) <= 1.0001
