@@ -102,7 +102,8 @@ def run_minirl(args, model: str) -> dict:
     run_dir = Path(args.work) / f"minirl-{args.shape}-{args.max_tokens}-{int(time.time())}"   # a fresh metrics.jsonl
     argv = ["--model", model, "--task", "digits", "--prompts", str(args.prompts), "--group-size", str(args.group_size),
             "--max-tokens", str(args.max_tokens), "--max-model-len", str(args.max_tokens + 64),
-            "--steps", str(args.steps), "--backends", "", "--run-dir", str(run_dir), *args.minirl_args]
+            "--steps", str(args.steps), "--backends", "", "--run-dir", str(run_dir), "--traceback",  # a failure's trace kept
+            *args.minirl_args]
     if args.lengths == "lognormal":
         varied_lengths(mod, args)                         # before the records: they time this loop's rollouts
     engine, seen = _record_engine_steps(mod), {}

@@ -17,7 +17,8 @@ plan.user_set), the rest planned. Decisions on measurements take the largest ove
    from the largest PLANNED_TOKENS down (16,384 at most beside a resident engine), a trial where
    the line fits at budget 1 (or the one set), then (compiled, budget left) at LOW_MEMORY_BUDGET
    where _BUDGET_BOUND of its activations fit; the first that fits wins; none: 16,384 tokens and
-   the fewest layers. Size set: kept (as every setting the user gives); a trial where the line says
+   the fewest layers; not even all of them: half as many tokens, every layer recomputing, down to
+   SMALLEST_TOKENS. Size set: kept (as every setting the user gives); a trial where the line says
    it fits, else the fewest layers: a trial recomputing every layer, then the count on the line
    between the nearest trials that fit and do not (out of memory: the range halves), four at most.
 4. AdamW's state to the host while generating (offload_optimizer left) where the engine sleeps, the
@@ -33,6 +34,7 @@ Hardware: CPU or CUDA GPUs; trials run on CUDA only (the tests stand in for the 
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -51,6 +53,9 @@ log = logging.getLogger(__name__)
 PLANNED_TOKENS = (32768, 16384, 8192)
 """The micro-batch sizes a plan chooses from, largest first: larger ones train faster where they
 fit (fewer FSDP2 gathers and launches, larger matmuls; benchmarks/results/2026-12-04)."""
+
+SMALLEST_TOKENS = 4096
+"""The smallest micro-batch a plan halves down to, every layer recomputing, before MemoryError."""
 
 LOW_MEMORY_BUDGET = 0.6
 """The activation memory budget a plan tries when a micro-batch does not fit at 1
@@ -225,7 +230,11 @@ def measure_peak(trainer: Trainer, reserve: int = 0, largest: int | None = None)
         return trial.verdict(n, trial(n))
     if tc.micro_batch_tokens is None:
         n, peak, none = _largest_that_fits(trial, largest)
-        return trial.verdict(n, peak if peak is not None else _fewest_layers(trial, n, none))
+        peak = peak if peak is not None else _fewest_layers(trial, n, none)
+        while (peak is None or peak > trial.limit) and n > SMALLEST_TOKENS:   # every layer recomputing
+            n //= 2
+            peak = trial(n, trial.trainer.num_layers)
+        return trial.verdict(n, peak)
     line = trial.line(n)[1] if n >= 64 else None
     none = None if line is None else line(n)                # the full micro-batch's peak, predicted
     if n < 64 or (none is not None and none <= trial.limit):
@@ -337,17 +346,17 @@ def trial_peak(trainer: Trainer, n: int) -> int | None:
     ids = torch.randint(0, trainer.model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
     dummy = Rollout(prompt_ids=ids[:1].tolist(), completion_ids=ids[1:].tolist(), reward=0.0,
                     sampling_logprobs=[0.0] * (n - 1), device=str(dev))
-    for p in trainer.model.parameters():
-        if p.requires_grad and p.grad is None:
-            p.grad = torch.zeros_like(p)
-    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(dev)
     try:
+        for p in trainer.model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
         trainer.forward_backward([dummy], lambda lp, mb, logits: (-lp, {}))
         peak = torch.cuda.max_memory_allocated(dev)
-    except MemoryError:                        # forward_backward's out-of-memory error (resharded)
+    except (MemoryError, torch.OutOfMemoryError):   # forward_backward's (resharded), or the gradients'
         peak = None
     trainer.optimizer.zero_grad(set_to_none=True)
+    gc.collect()                    # a failed trial's activations may wait in cycles through its traceback
     torch.cuda.empty_cache()
     return peak
 

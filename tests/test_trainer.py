@@ -591,6 +591,33 @@ def test_a_planned_micro_batch_that_never_fits_recomputes_at_16384(tmp_path, mon
     assert tried == [(4096, 0), (8192, 0), (16384, 8), (16384, 6)]
 
 
+@pytest.mark.parametrize("held_gib, tokens", [(6.5, 8192), (8.5, 4096), (9.5, None)])
+def test_a_plan_where_no_layer_count_fits_16384_halves_the_rows(tmp_path, monkeypatch, held_gib, tokens):
+    """Planned, what the trainer holds (held_gib, AdamW's 1 GiB included) leaves little room: 1 MiB a
+    token, a quarter of it with all 8 layers recomputed, 10 GiB usable. 16,384 tokens with every layer
+    (held + 4 GiB) do not fit; then half as many rows, every layer recomputing: 8,192 (held + 2 GiB)
+    or 4,096 (held + 1 GiB) fit, or MemoryError at 4,096 naming the levers."""
+    from minirl.recipes.tiny import build_tiny_model
+    from minirl.trainer import Trainer, TrainerConfig
+    gib = 2**30
+    tr = Trainer(str(build_tiny_model(tmp_path / "m8", num_layers=8)), TrainerConfig(lr=1e-3))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 12 * gib))
+    peak = lambda n, k: held_gib * gib + n * 2**20 * (1 - 0.75 * k / 8)
+    tried = []
+    monkeypatch.setattr(memory, "trial_peak", lambda _, n: tried.append((n, tr.recomputed_layers)) or int(peak(n, tr.recomputed_layers)))
+    halved = [(8192, 8), (4096, 8)][:2 if tokens != 8192 else 1]
+    if tokens is None:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "a 12 GiB GPU")
+        with pytest.raises(MemoryError, match=r"one micro-batch of 4096 tokens does not fit .* \(activation "
+                                              r"checkpointing on, 8 layers\): its forward_backward peaks at 10.5 GiB"):
+            memory.measure_peak(tr, reserve=2 * gib)
+    else:
+        plan = memory.measure_peak(tr, reserve=2 * gib)
+        assert (plan.micro_batch_tokens, plan.recomputed_layers) == (tokens, 8)
+        assert plan.peak_bytes == int(peak(tokens, 8)) <= 10 * gib
+    assert tried == [(4096, 0), (8192, 0), (16384, 8), *halved]
+
+
 @pytest.mark.parametrize("bump_gib, layers", [(0.0, 6), (0.5, 7)])
 def test_the_fewest_layers_that_fit_are_recomputed(tmp_path, monkeypatch, bump_gib, layers):
     """measure_peak left to itself, an 8-layer model, its trials stood in for: a peak of 2 GiB + 1 MiB
