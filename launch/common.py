@@ -657,14 +657,16 @@ PermissionError, TimeoutError are OSErrors; CheckpointError and SyncError Runtim
 def message_of(e: BaseException) -> str | None:
     """The message, on one line, of an error raised by minirl's own code (an ERRORS type raised in
     minirl/ (recipes too), actors/ or launch/; in a Ray actor too); None for anything else: a bug keeps
-    its traceback."""
+    its traceback, as does an error of torch's own (a device out of memory where minirl did not
+    explain it), raised by a tensor call in minirl's lines."""
     ray = sys.modules.get("ray")
     files = [f.filename for f in traceback.extract_tb(e.__traceback__)]
     while ray is not None and isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, BaseException):
         files = re.findall(r'File "([^"]+)", line', e.traceback_str)
         e = e.cause
     ours = ("minirl", "recipes", "actors", "launch")
-    if not isinstance(e, ERRORS) or not files or Path(files[-1]).parent.name not in ours:
+    if (not isinstance(e, ERRORS) or type(e).__module__ == "torch" or not files
+            or Path(files[-1]).parent.name not in ours):
         return None
     text = str(e.args[0] if isinstance(e, KeyError) and e.args else e)
     if isinstance(e, KeyError) and " " not in text:       # a plain dictionary miss: a bug

@@ -148,3 +148,18 @@ def test_episode_metrics_by_hand():
     single = common.train_step(_Trainer(), batch(), common.parse_args("doc", "runs/x", []), 1)
     multi = common.train_step(_Trainer(), batch(), common.parse_args("doc", "runs/x", ["--env", "lookup"]), 1)
     assert not [k for k in single if k.startswith("episode/")] and multi["episode/turns"] == 2.0
+
+
+def test_an_error_minirl_raised_is_one_line_and_torchs_keeps_its_trace():
+    """message_of: a ValueError raised in minirl's lines is its message on one line; torch's
+    out-of-memory error raised by a tensor call in the same lines is not minirl's (None: the trace stays)."""
+    import torch
+    src = "def boom(e):\n    raise e\n"
+    space: dict = {}
+    exec(compile(src, "/somewhere/minirl/fake.py", "exec"), space)
+    for err, want in [(ValueError("bad input:\n use --fix"), "bad input: use --fix"),
+                      (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 MiB"), None)]:
+        try:
+            space["boom"](err)
+        except Exception as e:
+            assert common.message_of(e) == want
