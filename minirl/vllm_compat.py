@@ -290,7 +290,7 @@ def _append_sampled(lp, logprobs_lists) -> None:
     and no tokenizer: one entry per position (the sampled token, its log-prob, its rank, no text),
     appended with one tolist per array instead of three per position; cumulative_logprob summed in
     the same order."""
-    token_ids, logprobs, ranks = logprobs_lists[0], logprobs_lists[1], logprobs_lists[2]
+    token_ids, logprobs, ranks = logprobs_lists[:3]
     values = logprobs[:, 0].tolist()
     flat, start = lp.logprobs, len(lp.logprobs.logprobs)
     flat.start_indices.extend(range(start, start + len(values)))

@@ -151,7 +151,7 @@ def test_sampled_logprobs_kept_in_bulk_equal_vllms_own(wm, monkeypatch):
     bulk = vc._append_sampled
     monkeypatch.setattr(vc, "_append_sampled", lambda lp, lists: bulk_calls.append(1) or bulk(lp, lists))
     fast = finished("bulk")
-    monkeypatch.setattr(vc, "_append_sampled", lambda lp, lists: LogprobsProcessor._update_sample_logprobs(lp, lists))
+    monkeypatch.setattr(vc, "_append_sampled", LogprobsProcessor._update_sample_logprobs)
     slow = finished("own")
     assert len(bulk_calls) >= 6                                   # 3 requests x 6 tokens, bulk at every step
     for a, b in zip(fast, slow):
