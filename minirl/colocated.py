@@ -61,8 +61,7 @@ class WeightManager:
     (defaults: vllm_compat.engine_kwargs). FileNotFoundError for a missing model, MemoryError
     when trainer + engine cannot fit, ValueError for impossible settings."""
 
-    def __init__(self, model: str, *, lr: float | None = None, config: WeightManagerConfig | None = None,
-                 **llm_kwargs):
+    def __init__(self, model: str, *, lr: float | None = None, config: WeightManagerConfig | None = None, **llm_kwargs):
         cfg = config or WeightManagerConfig()
         if lr is not None:
             cfg = replace(cfg, trainer=replace(cfg.trainer, lr=lr))
@@ -83,7 +82,6 @@ class WeightManager:
         self.trainer.apply(plan)
         if plan.offload_optimizer:        # the engine is built, and generates first, beside the weights only
             self.trainer.optimizer_to_host()
-        self._slept = False               # the plan is checked against the engine when it first sleeps
         kw = vc.engine_kwargs({**plan.engine_kwargs, **llm_kwargs}, sleep=plan.sleep_level > 0,
                               seed=llm_kwargs.get("seed", cfg.trainer.seed) + self.rank.rank)
         kw.setdefault("trust_remote_code", cfg.trainer.trust_remote_code)
@@ -94,10 +92,8 @@ class WeightManager:
         self._sleep_timing: dict[str, float] = {}
         self.timings: dict[str, float] = {}   # the last switch: sleep_s, wake_s, sync_s, verify_s, probe_gap
         self.last_probe_gap: float | None = None
-        self._reload = False          # the engine must reload the trainer's weights
-        self._mode = "generate"
-        self._closed = False
-        self._gc_frozen = False
+        self._mode, self._reload = "generate", False     # _reload: the engine must reload the trainer's weights
+        self._closed = self._gc_frozen = self._slept = False
         self._expected = vc.expected_weight_names(self.llm)
         self._probe_ids = self.llm.get_tokenizer().encode(cfg.probe_text)
         self._seen = vc.fingerprinted_names(self.llm)   # the trainer checksums what the engine's can see
@@ -129,8 +125,7 @@ class WeightManager:
                 torch.cuda.empty_cache()
                 vc.wake(self.llm, ["weights"])
             t["wake_s"] = _since(t0, cuda)
-            checked = (self._sync(t) if self.config.sync_weights and (asleep or tr.stepped or self._reload)
-                       else None)
+            checked = self._sync(t) if self.config.sync_weights and (asleep or tr.stepped or self._reload) else None
             if self.memory_plan.offload_optimizer:
                 t1 = time.perf_counter()
                 tr.optimizer_to_host()
@@ -159,7 +154,7 @@ class WeightManager:
             if self.device.type == "cuda" and level > 0:
                 vc.sleep(self.llm, level if self.config.sync_weights else 1)
                 self.trainer.optimizer_to_device()      # its copies run beside the forward and backward
-                if not self._slept:
+                if not self._slept:                     # the plan, checked against the engine when it first sleeps
                     self.memory_plan = memory.beside_sleeping_engine(self.trainer, self.memory_plan)
                     self.trainer.apply(self.memory_plan)
                     self._slept = True
@@ -169,8 +164,7 @@ class WeightManager:
         return self.trainer.model, self.trainer.optimizer
 
     def mark_dirty(self) -> None:
-        """Force a sync (and a new policy version) at the next as_vllm(), after changing
-        weights without the optimizer."""
+        """Force a sync (and a new policy version) at the next as_vllm(): for weights changed without the optimizer."""
         self.trainer.stepped = True
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -229,8 +223,7 @@ class WeightManager:
         with vc.weight_update(self.llm) as load:
             fp, lp = self.trainer.gather(load, dtype=self.engine_dtype, probe_ids=probe, names=self._seen)
         t["sync_s"] = _since(t0, self.device.type == "cuda")
-        missing = self._expected - load.loaded
-        if missing:
+        if missing := self._expected - load.loaded:
             raise SyncError(f"vLLM did not accept {len(missing)} parameters, e.g. {sorted(missing)[:3]}: "
                             "the trainer's names do not match the engine's model")
         return None if probe is None else (fp, lp, version)

@@ -111,9 +111,10 @@ def plan(trainer: Trainer, kw: dict, cfg) -> MemoryPlan:
     logged; MemoryError naming what was needed, what there was, and the levers, when nothing fits.
     The engine's settings are CUDA's: on CPU the engine never sleeps and none of them is set."""
     p = _plan(trainer, kw, cfg)
-    p = p if trainer.device.type != "cuda" else replace(p, user_set=p.user_set + tuple(k for k, v in [
-        ("sleep_level", cfg.sleep_level), ("offload_optimizer", cfg.offload_optimizer), ("kv_cache_bytes",
-         cfg.kv_cache_gib or kw.get("kv_cache_memory_bytes") or kw.get("gpu_memory_utilization"))] if v is not None))
+    if trainer.device.type == "cuda":
+        size = cfg.kv_cache_gib or kw.get("kv_cache_memory_bytes") or kw.get("gpu_memory_utilization")
+        given = {"sleep_level": cfg.sleep_level, "offload_optimizer": cfg.offload_optimizer, "kv_cache_bytes": size}
+        p = replace(p, user_set=p.user_set + tuple(k for k, v in given.items() if v is not None))
     log.info("%s", p)
     return p
 
@@ -140,17 +141,19 @@ def _plan(trainer: Trainer, kw: dict, cfg) -> MemoryPlan:
     # a resident engine's KV cache has to fit beside the step's peak: planned rows of 16,384 at most
     fit = measure_peak(trainer, reserve=ENGINE_ASLEEP + headroom, largest=PLANNED_TOKENS[1] if level == 0 else None)
     fit = replace(fit, sleep_level=level, held_bytes=torch.cuda.memory_allocated(trainer.device))   # no gradients
-    return _engine_fit(trainer, n_params, fit, kw, cfg, headroom, user_sized)
+    if user_sized:
+        return replace(fit, offload_optimizer=bool(cfg.offload_optimizer))
+    return _engine_fit(trainer, n_params, fit, kw, cfg, headroom)
 
 
 def _as_loaded(trainer: Trainer, n: int | None = None) -> MemoryPlan:
     """The trainer's settings as they are (with n-token micro-batches), and those the user set."""
-    tc, n = trainer.config, n or trainer.micro_batch_tokens
-    return MemoryPlan(micro_batch_tokens=n, recomputed_layers=trainer.recomputed_layers,
-                      activation_memory_budget=trainer.memory_budget, user_set=tuple(k for k, v in [
-                          ("micro_batch_tokens", tc.micro_batch_tokens),
-                          ("recomputed_layers", tc.activation_checkpointing),
-                          ("activation_memory_budget", tc.activation_memory_budget)] if v is not None))
+    tc = trainer.config
+    given = {"micro_batch_tokens": tc.micro_batch_tokens, "recomputed_layers": tc.activation_checkpointing,
+             "activation_memory_budget": tc.activation_memory_budget}
+    return MemoryPlan(micro_batch_tokens=n or trainer.micro_batch_tokens, recomputed_layers=trainer.recomputed_layers,
+                      activation_memory_budget=trainer.memory_budget,
+                      user_set=tuple(k for k, v in given.items() if v is not None))
 
 
 def _engine(n_params: int, mc, dsize: int) -> tuple[float, int]:
@@ -159,8 +162,7 @@ def _engine(n_params: int, mc, dsize: int) -> tuple[float, int]:
     return n_params * dsize * 1.05 + 4 * GIB, 2 * mc.num_hidden_layers * mc.num_key_value_heads * head_dim * dsize
 
 
-def _engine_fit(trainer: Trainer, n_params: int, fit: MemoryPlan, kw: dict, cfg, headroom: float,
-                user_sized: bool) -> MemoryPlan:
+def _engine_fit(trainer: Trainer, n_params: int, fit: MemoryPlan, kw: dict, cfg, headroom: float) -> MemoryPlan:
     """Steps 4 and 5 of the table: AdamW's place, the KV cache and the engine kwargs."""
     free, total = torch.cuda.mem_get_info(trainer.device)
     mc = trainer.model.config
@@ -168,15 +170,13 @@ def _engine_fit(trainer: Trainer, n_params: int, fit: MemoryPlan, kw: dict, cfg,
     max_len = kw.get("max_model_len") or mc.max_position_embeddings
     want = cfg.kv_cache_gib * GIB if cfg.kv_cache_gib is not None else kw.get("max_num_seqs", 256) * max_len * per_token
     state, offload = trainer.optimizer_state_bytes, bool(cfg.offload_optimizer)
-    if cfg.offload_optimizer is None and not user_sized:   # the KV cache wanted would leave too little free
+    if cfg.offload_optimizer is None:   # the KV cache wanted would leave too little free
         import psutil
         host = psutil.virtual_memory().available / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         offload = (fit.sleep_level == 2 and state > 0 and want > free - headroom - engine
                    and host > 1.5 * state + 4 * GIB)
         offload = bool(agreed_max(trainer, int(offload)))     # every rank decides alike
     fit, free = replace(fit, offload_optimizer=offload), free + offload * state
-    if user_sized:
-        return fit
     kv = min(want, free - headroom - (fit.peak_bytes - fit.held_bytes) - engine if fit.sleep_level == 0
              else free - max(2 * GIB, 0.03 * total) - engine)   # resident: beside the peak, asleep: the weights
     if kv < 2 * max_len * per_token:
@@ -210,8 +210,7 @@ def agreed_max(trainer: Trainer, value: int | None) -> int | None:
 
 
 def predict_peak(n1: int, peak1: int, n2: int, peak2: int, n: int) -> float:
-    """The peak at n tokens on the line through two trials (gradients are the same at any size,
-    activations grow linearly in tokens)."""
+    """The peak at n tokens on the line through two trials (gradients fixed, activations linear in tokens)."""
     return peak2 + (peak2 - peak1) / (n2 - n1) * (n - n2)
 
 
@@ -229,11 +228,10 @@ def measure_peak(trainer: Trainer, reserve: int = 0, largest: int | None = None)
     if tc.activation_checkpointing is not None:              # set: the layers as loaded
         return trial.verdict(n, trial(n))
     if tc.micro_batch_tokens is None:
-        n, peak, none = _largest_that_fits(trial, largest)
-        peak = peak if peak is not None else _fewest_layers(trial, n, none)
+        n, peak = _largest_that_fits(trial, largest)
         while (peak is None or peak > trial.limit) and n > SMALLEST_TOKENS:   # every layer recomputing
             n //= 2
-            peak = trial(n, trial.trainer.num_layers)
+            peak = trial(n, trainer.num_layers)
         return trial.verdict(n, peak)
     line = trial.line(n)[1] if n >= 64 else None
     none = None if line is None else line(n)                # the full micro-batch's peak, predicted
@@ -252,8 +250,7 @@ class _Trials:
         self.trainer, self.limit, self.rows = trainer, limit, []
 
     def __call__(self, tokens: int, layers: int | None = None) -> int | None:
-        """The peak of a step of `tokens` with that many layers recomputing (None: as they are);
-        None: out of memory."""
+        """The peak of a step of `tokens`, `layers` recomputing (None: as they are); None: out of memory."""
         tr = self.trainer
         if layers is not None:
             recompute_layers(tr.model, layers)
@@ -284,14 +281,14 @@ class _Trials:
                                                                       "more GPUs, or a smaller model"]))
 
 
-def _largest_that_fits(trial: _Trials, largest: int | None) -> tuple[int, int | None, float | None]:
-    """(tokens, peak, None) of the largest PLANNED_TOKENS that fits without recomputation, none above
-    `largest`; else (16,384, None, its peak on the small trials' line, or None: out of memory)."""
+def _largest_that_fits(trial: _Trials, largest: int | None) -> tuple[int, int | None]:
+    """(tokens, peak) of the largest PLANNED_TOKENS that fits without recomputation, none above
+    `largest`; else 16,384 tokens with _fewest_layers (told its peak on the small trials' line)."""
     sizes = [m for m in PLANNED_TOKENS if largest is None or m <= largest] or [PLANNED_TOKENS[-1]]
     tr, n = trial.trainer, PLANNED_TOKENS[1]
     small, line = trial.line(sizes[0])
     if line is None:
-        return n, None, None
+        return n, _fewest_layers(trial, n, None)
     base, budget = line(0), tr.memory_budget                 # weights, gradients, AdamW: no activations
     low = [LOW_MEMORY_BUDGET] if tr.compile and tr.config.activation_memory_budget is None \
         and LOW_MEMORY_BUDGET < budget else []
@@ -303,9 +300,9 @@ def _largest_that_fits(trial: _Trials, largest: int | None) -> tuple[int, int | 
             tr.use_memory_budget(b)
             peak = small[m] if m in small and b == budget else trial(m, 0)
             if peak is not None and peak <= trial.limit:
-                return m, peak, None
+                return m, peak
     tr.use_memory_budget(budget)
-    return n, None, line(n)
+    return n, _fewest_layers(trial, n, line(n))
 
 
 def _fewest_layers(trial: _Trials, n: int, none: float | None) -> int | None:
@@ -317,16 +314,11 @@ def _fewest_layers(trial: _Trials, n: int, none: float | None) -> int | None:
     if hi_peak is None or hi_peak > limit:
         return hi_peak
     lo, lo_peak = 0, none                                    # the most known not to (None: out of memory)
-    for _ in range(4):
-        if hi - lo <= 1:
+    for _ in range(4):          # k on the line between them, lo + 1 at least (out of memory: halfway)
+        k = ((lo + hi + 1) // 2 if lo_peak is None else
+             lo + max(1, math.ceil((lo_peak - limit) / max((lo_peak - hi_peak) / (hi - lo), 1.0))))
+        if k >= hi:
             break
-        if lo_peak is None:
-            k = (lo + hi + 1) // 2
-        else:
-            k = lo + math.ceil((lo_peak - limit) / max((lo_peak - hi_peak) / (hi - lo), 1.0))
-            if k >= hi:
-                break
-            k = max(k, lo + 1)
         peak = trial(n, k)
         if peak is not None and peak <= limit:
             hi, hi_peak = k, peak
@@ -390,12 +382,11 @@ def estimate_memory(model: str, trainer: TrainerConfig, *, world: int = 1,
                                          and name.rsplit(".", 1)[-1] in lora.target_modules)
     on_device = 0 if trainer.cpu_offload else 1
     separate_ref = trainer.reference and not (lora and not lora.also_train)
-    ref_on_device = separate_ref and not trainer.reference_offload
     engine, per_token = _engine(n, mc, 2)
     state = {"weights": 4 * (n if lora is None else n + trained) / world, "gradients": 4 * trained / world,
              "optimizer": 8 * trained / world}                      # on the device, or on the host with offload
     est = {k: v * on_device for k, v in state.items()} | {
-        "reference": 2 * n / world * ref_on_device,
+        "reference": 2 * n / world * (separate_ref and not trainer.reference_offload),
         "engine": engine + 2 * (max_model_len or mc.max_position_embeddings) * per_token,
         "params": n, "trained_params": trained,
         "host_reference": 2 * n / world * (separate_ref and trainer.reference_offload)}
@@ -406,21 +397,19 @@ def estimate_memory(model: str, trainer: TrainerConfig, *, world: int = 1,
 
 def check_fits(est: dict[str, float], available: float, where: str, host_available: float | None = None) -> None:
     """MemoryError when estimate_memory's `needed` exceeds `available` bytes (or its `host` part
-    exceeds `host_available`): what each part needs, what there is, and which levers (with what
-    they save) would make it fit."""
+    exceeds `host_available`): each part's need, what there is, and the levers with what they save."""
     if host_available is not None and est["host"] and est["host"] + HOST_RESERVE > host_available:
         raise MemoryError(
             f"offload does not fit in host memory: it keeps {est['host'] / GIB:.1f} GiB there (fp32 weights, "
             f"gradients and AdamW state; {est['host_reference'] / GIB:.1f} GiB of it the reference) beside the "
-            f"~{HOST_RESERVE / GIB:.0f} GiB the process itself holds (CUDA context, libraries, the engine's host side), "
-            f"{host_available / GIB:.1f} GiB is available. Levers: LoRA (TrainerConfig(lora=LoRAConfig()), "
+            f"~{HOST_RESERVE / GIB:.0f} GiB the process itself holds (CUDA context, libraries, the engine's host "
+            f"side), {host_available / GIB:.1f} GiB is available. Levers: LoRA (TrainerConfig(lora=LoRAConfig()), "
             "launch --lora-rank 16) keeps only the adapters' state; more GPUs on more hosts (the state is "
             "sharded); the reference on the device (reference_offload=False); or a smaller model.")
     if est["needed"] <= available:
         return
     g = {k: v / GIB for k, v in est.items() if k not in ("params", "trained_params")}
-    parts = ", ".join(f"{k} {g[k]:.1f}" for k in ("weights", "gradients", "optimizer", "reference",
-                                                   "engine"))
+    parts = ", ".join(f"{k} {g[k]:.1f}" for k in ("weights", "gradients", "optimizer", "reference", "engine"))
     levers = []
     if est["trained_params"] == est["params"]:
         levers.append(f"LoRA (TrainerConfig(lora=LoRAConfig()), launch --lora-rank 16) saves ~"

@@ -57,7 +57,7 @@ def full_weight_buckets(model: nn.Module, *, dtype: torch.dtype | None = None
     given: one per FSDP2 unit (collective, see the module docstring). Tensors may alias storage
     freed at the next bucket: copy what you keep."""
     reshard(model)
-    yield from _gather(_groups(model), _caster(dtype))
+    yield from _gather(_groups(model), dtype)
 
 
 @torch.no_grad()
@@ -66,15 +66,13 @@ def gather_during_forward(model: nn.Module, forward, on_bucket, *, dtype: torch.
     `on_bucket([(hf_name, tensor)])` while the forward has it unsharded; units it skipped, and plain
     modules, follow. Every parameter goes once, in full_weight_buckets' buckets. Returns forward()'s
     result, the model resharded. Collective for FSDP2."""
-    cast = _caster(dtype)
     reshard(model)
     groups = _groups(model)
     pending = {id(u): params for u, params in groups if u is not None}
 
     def hook(unit, args, output):     # registered first: runs before FSDP's reshard-after-forward
-        params = pending.pop(id(unit), None)
-        if params is not None:
-            on_bucket(_bucket(unit, params, cast))
+        if (params := pending.pop(id(unit), None)) is not None:
+            on_bucket(_bucket(unit, params, dtype))
 
     handles = [u.register_forward_hook(hook, prepend=True) for u, _ in groups if u is not None]
     try:
@@ -83,28 +81,24 @@ def gather_during_forward(model: nn.Module, forward, on_bucket, *, dtype: torch.
         for h in handles:
             h.remove()
         reshard(model)
-    for bucket in _gather([(u, p) for u, p in groups if u is None or id(u) in pending], cast):
+    for bucket in _gather([(u, p) for u, p in groups if u is None or id(u) in pending], dtype):
         on_bucket(bucket)
     return out
 
 
-def _caster(dtype: torch.dtype | None):
-    return lambda t: t.detach().to(dtype=dtype)     # None keeps the tensor's own
-
-
-def _bucket(unit: nn.Module, params, cast) -> list[tuple[str, torch.Tensor]]:
+def _bucket(unit: nn.Module, params, dtype: torch.dtype | None) -> list[tuple[str, torch.Tensor]]:
     live = dict(unit.named_parameters())       # the unit's unsharded tensors while it is unsharded
-    return [(h, cast(live[n])) for h, n, _ in params]
+    return [(h, live[n].detach().to(dtype=dtype)) for h, n, _ in params]     # dtype None keeps each one's
 
 
-def _gather(groups, cast) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def _gather(groups, dtype: torch.dtype | None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     for unit, params in groups:
         if unit is None:
-            yield [(h, cast(p)) for h, _, p in params]
+            yield [(h, p.detach().to(dtype=dtype)) for h, _, p in params]
             continue
         unit.unshard()
         try:     # the unit's unsharded storage is freed on reshard: use the bucket before next()
-            yield _bucket(unit, params, cast)
+            yield _bucket(unit, params, dtype)
         finally:
             unit.reshard()
 
