@@ -401,9 +401,3 @@ def approx_kl(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
     """Mean k3 estimate of KL(old || new) over counted tokens (samples come from old)."""
     new, old = _align(new_logprobs, old_logprobs)
     return masked_mean(kl_k3(old, new), mask)
-
-
-__all__ = ["compute_advantages", "token_logprobs", "get_logprobs", "entropy_from_logits", "masked_mean",
-           "aggregate", "AGGREGATIONS", "clipped_surrogate", "clipped_policy_loss", "ppo_loss_fn", "kl_k1",
-           "kl_k2", "kl_k3", "truncated_importance_weights", "masked_importance_weights", "clip_fraction",
-           "approx_kl"]

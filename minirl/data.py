@@ -387,7 +387,3 @@ def load_rollouts(path: str | os.PathLike, *, device=None) -> list[RolloutBatch]
             raise ValueError(f"{path}: batch {bi} (uid={b.uid!r}) has {len(b)} of its {sizes[bi]} rollouts: "
                              "the file was cut short or edited; re-save it or drop that batch")
     return [batches[k] for k in sorted(batches)]
-
-
-__all__ = ["Rollout", "RolloutBatch", "TrainBatch", "PackedBatch", "parse_vllm_outputs", "collate",
-           "pack", "split_by_tokens", "save_rollouts", "load_rollouts"]

@@ -47,6 +47,3 @@ def staleness_metrics(rollouts: list, version: int, max_staleness: int) -> dict[
             "async/staleness_mean": sum(lags) / max(len(lags), 1), "async/staleness_max": max(lags, default=0),
             **{f"async/staleness_{k}": sum(lag == k for lag in lags) for k in range(max_staleness + 1)},
             "async/staleness_over": sum(lag > max_staleness for lag in lags)}
-
-
-__all__ = ["decoupled_loss_fn", "staleness_metrics"]
