@@ -129,8 +129,7 @@ def verify(path: str | os.PathLike) -> Path:
     want, have = want["files"], _files(path)
     missing = sorted(set(want) - set(have))
     wrong = sorted(f for f in want if f in have and have[f].stat().st_size != want[f]["size"])
-    changed = sorted(f for f in want
-                     if f in have and f not in wrong and _digest(have[f]) != want[f]["sha256"])
+    changed = sorted(f for f in want if f in have and f not in wrong and _digest(have[f]) != want[f]["sha256"])
     if missing or wrong or changed:
         raise CheckpointError(f"checkpoint {path} is corrupt: missing {missing[:3]}, wrong size {wrong[:3]}, "
                               f"checksum mismatch {changed[:3]}; delete it, or resume from an earlier one")
@@ -147,8 +146,7 @@ def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, tokenizer_f
         return
     dtype = getattr(model.config, "torch_dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    sd = {k: v.to(dtype) for k, v in sd.items()}
-    model.save_pretrained(out_dir, state_dict=sd, safe_serialization=True)
+    model.save_pretrained(out_dir, state_dict={k: v.to(dtype) for k, v in sd.items()}, safe_serialization=True)
     from transformers import AutoTokenizer
     AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(out_dir)
 

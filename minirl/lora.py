@@ -60,9 +60,8 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig) -> torch.nn.Module:
     extra = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in cfg.also_train]
     if bad := sorted(set(cfg.also_train) - {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}):
         raise ValueError(f"LoRA also_train {bad} are not modules of {type(model).__name__}")
-    peft_cfg = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                          target_modules=list(cfg.target_modules), bias="none")
-    model = inject_adapter_in_model(peft_cfg, model)
+    model = inject_adapter_in_model(LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                                               target_modules=list(cfg.target_modules), bias="none"), model)
     for m in extra:
         m.requires_grad_(True)
     return model
@@ -70,9 +69,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig) -> torch.nn.Module:
 
 def base_name(name: str) -> str | None:
     """A PEFT parameter's name in the base model (None for the adapters themselves)."""
-    if ".lora_A." in name or ".lora_B." in name:
-        return None
-    return name.replace(".base_layer.", ".")
+    return None if ".lora_A." in name or ".lora_B." in name else name.replace(".base_layer.", ".")
 
 
 def merge_bucket(bucket: list[tuple[str, torch.Tensor]], scale: float) -> list[tuple[str, torch.Tensor]]:

@@ -104,8 +104,7 @@ def _varlen_attention(module, query, key, value, attention_mask, *, scaling=None
         kernel = _sdpa_varlen
     B, H, T, D = query.shape
     if cu_seq_lens_q is None:
-        cu_seq_lens_q, max_length_q = torch.arange(0, (B + 1) * T, T, dtype=torch.int32,
-                                                   device=query.device), T
+        cu_seq_lens_q, max_length_q = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=query.device), T
     q = query.transpose(1, 2).reshape(B * T, H, D)
     k, v = (x.transpose(1, 2).reshape(B * T, -1, D) for x in (key, value))
     extra = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}   # causal
@@ -127,10 +126,6 @@ def _attention(name: str, device: torch.device) -> str:
                          "use 'sdpa' or 'auto'")
     if name == "sdpa" or device.type == "cuda" and not has_varlen:
         return "sdpa"
-    return _register_varlen(has_varlen)
-
-
-def _register_varlen(has_varlen: bool) -> str:
     import inspect
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -160,10 +155,9 @@ def load_fsdp_model(path: str, device: torch.device, world: int, compute_dtype: 
         model = apply_lora(model, lora)
     if activation_checkpointing:
         recompute_layers(model, None if activation_checkpointing is True else activation_checkpointing)
-    mesh = init_device_mesh(device.type, (world,))
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    off = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
-    kw = dict(mesh=mesh, mp_policy=mp, offload_policy=off)
+    kw = dict(mesh=init_device_mesh(device.type, (world,)),
+              mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32),
+              offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy())
     for layer in _decoder_layers(model):
         fully_shard(layer, **kw)
         if compile:

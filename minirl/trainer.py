@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from minirl.core import token_logprobs
+from minirl.core import get_logprobs, token_logprobs
 from minirl.data import pack, split_by_tokens
 from minirl.distributed import init_distributed, pick_device
 from minirl.lora import LoRAConfig, adapters_off, base_name, merge_bucket
@@ -109,22 +109,20 @@ class Trainer:
         torch.manual_seed(cfg.seed)        # the same on every rank while loading: LoRA's initial A agrees
         if cfg.reference_offload and not cfg.reference:
             raise ValueError("reference_offload=True without reference=True: set reference=True too")
-        load = dict(attention=cfg.attention, trust_remote_code=cfg.trust_remote_code)
         self.compile = "inductor" if cfg.compile is True or (    # the torch.compile backend (None: eager)
             cfg.compile is None and self.device.type == "cuda") else cfg.compile or None
-        if cfg.activation_memory_budget is not None and self.compile is None:
+        if budget is not None and self.compile is None:
             raise ValueError("activation_memory_budget is torch.compile's (its partitioner decides what "
                              "backward recomputes), and this trainer runs eager: set compile=True, or "
                              "drop activation_memory_budget")
-        self.memory_budget = 1.0 if cfg.activation_memory_budget is None else cfg.activation_memory_budget
-        self.model = load_fsdp_model(self.path, self.device, self.rank.world_size, self.compute_dtype,
-                                     activation_checkpointing=cfg.activation_checkpointing or False,
-                                     lora=cfg.lora, offload=cfg.cpu_offload, compile=self.compile, **load)
+        self.memory_budget = 1.0 if budget is None else budget
+        load = functools.partial(load_fsdp_model, self.path, self.device, self.rank.world_size, self.compute_dtype,
+                                 attention=cfg.attention, trust_remote_code=cfg.trust_remote_code)
+        self.model = load(activation_checkpointing=cfg.activation_checkpointing or False, lora=cfg.lora,
+                          offload=cfg.cpu_offload, compile=self.compile)
         self.reference = None     # the frozen reference policy (FSDP2, eval), unless LoRA's base model is one
         if cfg.reference and (cfg.lora is None or cfg.lora.also_train):
-            self.reference = load_fsdp_model(self.path, self.device, self.rank.world_size, self.compute_dtype,
-                                             offload=cfg.reference_offload, dtype=self.compute_dtype,
-                                             **load).requires_grad_(False).eval()
+            self.reference = load(offload=cfg.reference_offload, dtype=self.compute_dtype).requires_grad_(False).eval()
         torch.manual_seed(cfg.seed + self.rank.rank)               # per rank from here on (dropout)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
                                            betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
@@ -138,6 +136,7 @@ class Trainer:
         self._state_host: list[tuple[torch.Tensor, torch.Tensor]] | None = None   # (device, host) pairs
         self._state_where = "device"      # "device", "to_host" (copies in flight) or "host"
         self._state_ready: torch.cuda.Event | None = None   # the copies back, for the next step
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # for the copies
 
     # -- the step verbs ---------------------------------------------------------------------------
 
@@ -148,22 +147,18 @@ class Trainer:
         mean over the global batch). With entropy, batch.entropy holds each scored token's entropy at
         `temperature`. Returns the global token means of the loss and of every value loss_fn reports,
         "tokens" and "micro_batches"."""
-        with _explain_oom(self, f"forward_backward (micro-batches of <= {self.micro_batch_tokens} tokens)"):
-            return self._forward_backward(list(rollouts), loss_fn, temperature, num_global_tokens, entropy)
-
-    def _forward_backward(self, rollouts, loss_fn, temperature, num_global_tokens, entropy) -> dict[str, float]:
-        self.model.train()
-        mbs = pack(rollouts, self.micro_batch_tokens)
-        counts = torch.tensor([sum(mb.num_tokens for mb in mbs), len(mbs)], device=self.device)
-        if self.rank.world_size > 1:
-            dist.all_reduce(counts[:1])
-            dist.all_reduce(counts[1:], op=dist.ReduceOp.MAX)
-        total = int(counts[0]) if num_global_tokens is None else int(num_global_tokens)
-        scale = self.rank.world_size / max(total, 1)       # FSDP2 averages gradients over ranks
-        sums: dict[str, torch.Tensor] = {}
         budget = (torch._functorch.config.patch(activation_memory_budget=self.memory_budget) if self.compile
                   else contextlib.nullcontext())        # read where the layers compile: their first pass
-        with budget:
+        with _explain_oom(self, f"forward_backward (micro-batches of <= {self.micro_batch_tokens} tokens)"), budget:
+            self.model.train()
+            mbs = pack(list(rollouts), self.micro_batch_tokens)
+            counts = torch.tensor([sum(mb.num_tokens for mb in mbs), len(mbs)], device=self.device)
+            if self.rank.world_size > 1:
+                dist.all_reduce(counts[:1])
+                dist.all_reduce(counts[1:], op=dist.ReduceOp.MAX)
+            total = int(counts[0]) if num_global_tokens is None else int(num_global_tokens)
+            scale = self.rank.world_size / max(total, 1)       # FSDP2 averages gradients over ranks
+            sums: dict[str, torch.Tensor] = {}
             for i in range(int(counts[1])):
                 mb = mbs[i].to(self.device) if i < len(mbs) else None
                 ids = mb.input_ids if mb else torch.zeros(1, 2, dtype=torch.long, device=self.device)
@@ -171,8 +166,7 @@ class Trainer:
                 extra = dict(position_ids=mb.position_ids, cu_seq_lens_q=mb.cu_seqlens,
                              cu_seq_lens_k=mb.cu_seqlens, max_length_q=mb.max_seqlen,
                              max_length_k=mb.max_seqlen) if mb else {}
-                ref = self._reference_logprobs(ids, keep, extra, mb, temperature) if self.config.reference \
-                    else None
+                ref = self._reference_logprobs(ids, keep, extra, mb, temperature) if self.config.reference else None
                 logits = self.model(ids, use_cache=False, logits_to_keep=keep, **extra).logits[0]  # (n, V)
                 if mb is None:
                     (logits.sum() * 0).backward()              # an empty pass: FSDP2 collectives match
@@ -186,11 +180,11 @@ class Trainer:
                 (loss * scale).backward()
                 for k, v in {"loss": loss, **stats}.items():
                     sums[k] = sums.get(k, 0.0) + v.detach().float().sum()
-        keys = sorted(sums)
-        vec = torch.stack([torch.as_tensor(sums[k], device=self.device) for k in keys]) if keys else None
-        if vec is not None and self.rank.world_size > 1:
-            dist.all_reduce(vec)
-        out = {k: float(v) / max(total, 1) for k, v in zip(keys, vec.tolist())} if keys else {}
+            keys = sorted(sums)
+            vec = torch.stack([torch.as_tensor(sums[k], device=self.device) for k in keys]) if keys else None
+            if vec is not None and self.rank.world_size > 1:
+                dist.all_reduce(vec)
+            out = {k: float(v) / max(total, 1) for k, v in zip(keys, vec.tolist())} if keys else {}
         return {**out, "tokens": total, "micro_batches": int(counts[1])}
 
     @torch.no_grad()
@@ -201,18 +195,16 @@ class Trainer:
             logits = self.reference(ids, use_cache=False, logits_to_keep=keep, **extra).logits[0]
             reshard(self.reference)                        # a no-grad forward leaves the root unsharded
         else:                                              # LoRA: the base model is the reference
-            with adapters_off(self.model):
-                was = self.model.training
+            with adapters_off(self.model):                 # without dropout, then back to train()
                 logits = self.model.eval()(ids, use_cache=False, logits_to_keep=keep, **extra).logits[0]
-                self.model.train(was)
+                self.model.train()
         return None if mb is None else token_logprobs(logits, mb.targets, temperature=temperature,
                                                        compile=self.compile).float()
 
     def optim_step(self) -> dict[str, float]:
         """Clip the gradient norm, refuse a non-finite one, step AdamW, free the gradients."""
         self._optimizer_state_here()
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                              self.config.max_grad_norm or float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm or float("inf"))
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if not torch.isfinite(torch.tensor(norm)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -286,10 +278,6 @@ class Trainer:
             torch.cuda.current_stream(self.device).wait_event(self._state_ready)
             self._state_ready = None
 
-    @functools.cached_property
-    def _copy_stream(self):
-        return torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-
     def apply(self, plan) -> None:
         """Train as a memory plan says (minirl.memory.MemoryPlan): its micro_batch_tokens, recomputed
         decoder layers and activation memory budget. The one place a plan reaches the trainer."""
@@ -338,12 +326,10 @@ class Trainer:
         (collective). With probe_ids, the trainer's forward of the probe does the gathering, and
         (checksum of the weights handed over, the probe's log-probs) come back; else (None, None).
         names: the checksum covers these weights only (those an engine's own checksum can see)."""
-        from minirl.core import get_logprobs
         lora = self.config.lora
-        emit = on_bucket if lora is None else (lambda b: on_bucket(merge_bucket(b, lora.scale)))
         if probe_ids is None:
             for bucket in full_weight_buckets(self.model, dtype=dtype):
-                emit(bucket)
+                on_bucket(bucket if lora is None else merge_bucket(bucket, lora.scale))
             return None, None
         fp = torch.zeros((), dtype=torch.int64, device=self.device)
 
@@ -432,7 +418,7 @@ def _host_buffers(optimizer, device: torch.device) -> list[tuple[torch.Tensor, t
     """(device tensor, host view) for each tensor of AdamW's state on the device, the views in
     one host buffer (one pinned allocation: PyTorch's pinned allocator rounds each one up to a
     power of two). A state tensor that is a view of a larger storage cannot be freed alone."""
-    pairs, offsets, total = [], [], 0
+    pairs, total = [], 0                                # (tensor, offset in the buffer)
     for t in (_local(v) for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)):
         if t.device.type != device.type or t.numel() == 0:
             continue
@@ -440,12 +426,10 @@ def _host_buffers(optimizer, device: torch.device) -> list[tuple[torch.Tensor, t
         if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != nbytes:
             raise RuntimeError("AdamW's state holds a view of a larger tensor; it cannot be moved "
                                "to the host alone: run without offload_optimizer")
-        pairs.append(t)
-        offsets.append(total)
+        pairs.append((t, total))
         total += -(-nbytes // 64) * 64
     buf = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    return [(t, buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
-            for t, o in zip(pairs, offsets)]
+    return [(t, buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)) for t, o in pairs]
 
 
 @contextlib.contextmanager
@@ -464,12 +448,11 @@ def _explain_oom(trainer: Trainer, what: str):
         on = trainer.device.type                          # offloaded state is not on the device
         sizes = {k: sum(_local(t).numel() * t.element_size() for t in v if t.device.type == on) / 2**30
                  for k, v in held.items()}
-        total = torch.cuda.mem_get_info(trainer.device)[1] / 2**30 if trainer.device.type == "cuda" else None
+        total = torch.cuda.mem_get_info(trainer.device)[1] / 2**30 if on == "cuda" else None
         reshard(trainer.model)
         trainer.optimizer.zero_grad(set_to_none=True)
-        levers = memory_levers(trainer)
-        levers.append(f"a smaller micro_batch_tokens (now {trainer.micro_batch_tokens}); more GPUs "
-                      "(every trainer part is sharded), or a smaller model")
+        levers = [*memory_levers(trainer), f"a smaller micro_batch_tokens (now {trainer.micro_batch_tokens}); "
+                  "more GPUs (every trainer part is sharded), or a smaller model"]
         raise MemoryError(
             f"training ran out of device memory in {what}"
             + (f" asking for {asked.group(1)} more" if asked else "") + ": this rank held "
