@@ -580,13 +580,19 @@ def _raise(e: BaseException):
     raise e
 
 
+_received: list[int] = []
+"""The signals interruptible() caught in this run, in the order they came."""
+
+
 @contextlib.contextmanager
 def interruptible():
     """SIGINT and SIGTERM raise Interrupted, so the run closes its engine and trainer on the way out;
     a second signal while it closes exits at once. Inside an asyncio loop (an episode session) it is
     raised between the loop's callbacks, not inside whichever task was running: asyncio.run then
-    cancels every task (their requests leave the engine) and no task is left holding the exception."""
+    cancels every task (their requests leave the engine) and no task is left holding the exception.
+    The signal is remembered (signal_of): code it cuts short may raise an error of its own in its place."""
     def first(signum, frame):
+        _received.append(signum)
         for sig in old:
             signal.signal(sig, again)
         try:
@@ -598,6 +604,7 @@ def interruptible():
     def again(signum, frame):
         os.write(2, f"{signal.Signals(signum).name} again: exiting without closing\n".encode())
         os._exit(128 + signum)
+    _received.clear()
     old = {sig: signal.signal(sig, first) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
@@ -607,8 +614,11 @@ def interruptible():
 
 
 def signal_of(e: BaseException) -> int | None:
-    """The signal that stopped the run, if e or an error raised while handling it is an interrupt.
-    (ray.init turns SIGTERM into SystemExit(15) in its process.)"""
+    """The signal that stopped the run: the one interruptible() caught, whatever error it set off (a
+    checkpoint write it cut short: torch.distributed.checkpoint raises its own exception, unchained),
+    else an interrupt in e's chain of errors (ray.init turns SIGTERM into SystemExit(15) in its process)."""
+    if _received:
+        return _received[0]
     while e is not None:
         if isinstance(e, Interrupted):
             return e.signum

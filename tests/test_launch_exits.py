@@ -173,6 +173,32 @@ def test_interrupt_inside_an_episode_task_ends_the_session_without_a_trace():
     assert (res.returncode, res.stdout.split()[:2], res.stderr) == (0, ["interrupted", "2"], ""), res.stderr
 
 
+INSIDE_A_SAVE = """
+import signal, sys, types
+sys.path.insert(0, "launch")
+from common import ending, interruptible
+
+def save():                    # as torch.distributed.checkpoint's save: what the write raised is kept,
+    try:                       # and an exception of its own raised after, chained to nothing
+        signal.raise_signal(signal.SIGINT)
+    except BaseException as e:
+        failure = e
+    raise RuntimeError(f"checkpoint failed: {failure!r}")
+
+args = types.SimpleNamespace(traceback=False, run_dir=sys.argv[1], steps=5, save_every=2)
+with interruptible(), ending(args, status=1):
+    save()
+"""
+
+
+def test_an_interrupt_that_cuts_a_checkpoint_short_still_ends_as_an_interrupt(tmp_path):
+    """SIGINT landing inside a checkpoint write, which replaces the interrupt by an error of its own:
+    the run still ends as interrupted (status 130, what was kept), not with that error's traceback."""
+    res = run_py(["-c", INSIDE_A_SAVE, str(tmp_path)], timeout=60)
+    assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr
+    assert "SIGINT: stopped before this run logged a step" in res.stderr.splitlines()
+
+
 def _lines(text: str) -> list[str]:
     """Output lines as a terminal leaves them: a progress bar's redraws (\\r) count once."""
     return [ln.split("\r")[-1] for ln in text.splitlines() if ln.split("\r")[-1].strip()]
