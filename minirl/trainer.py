@@ -195,9 +195,10 @@ class Trainer:
             logits = self.reference(ids, use_cache=False, logits_to_keep=keep, **extra).logits[0]
             reshard(self.reference)                        # a no-grad forward leaves the root unsharded
         else:                                              # LoRA: the base model is the reference
-            with adapters_off(self.model):                 # without dropout, then back to train()
+            with adapters_off(self.model):                 # without dropout, then back to the mode it was in
+                was = self.model.training
                 logits = self.model.eval()(ids, use_cache=False, logits_to_keep=keep, **extra).logits[0]
-                self.model.train()
+                self.model.train(was)
         return None if mb is None else token_logprobs(logits, mb.targets, temperature=temperature,
                                                        compile=self.compile).float()
 
