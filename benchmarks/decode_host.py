@@ -2,7 +2,7 @@
 random-init Qwen3 shape with the real vocabulary, sleep mode, launch's CUDA-graph default), the
 launch's rollout (`run_episodes`, 64 prompts x 8 samples, 256 tokens, seeded, sampled-token
 log-probs) beside raw vLLM's `LLM.generate` of the same requests, one lever changed at a time
-(among them vLLM's own per-token log-prob bookkeeping in place of minirl's bulk append);
+(among them vLLM's own per-request log-prob path in place of minirl's SampledTap);
 then the rollout under cProfile (host: which functions take each step's milliseconds) and under
 torch.profiler (device: the seconds of kernels in the same wall). With --engine-process the engine
 runs as vLLM runs it by default (its core in a child process, VLLM_ENABLE_V1_MULTIPROCESSING=1, the
@@ -114,13 +114,12 @@ def main() -> None:
         return sum(len(r.completion_ids) for b in out for r in b.rollouts)
 
     def episodes_vllm_logprobs():
-        """The rollout with vLLM's own per-position log-prob bookkeeping (minirl's bulk append off)."""
-        from vllm.v1.engine.logprobs import LogprobsProcessor
-        bulk, vc._append_sampled = vc._append_sampled, LogprobsProcessor._update_sample_logprobs
+        """The rollout with vLLM's own per-request log-prob path (minirl's SampledTap off)."""
+        tap, vc.SampledTap.of = vc.SampledTap.of, staticmethod(lambda llm: None)
         try:
             return episodes()
         finally:
-            vc._append_sampled = bulk
+            vc.SampledTap.of = tap
 
     def generate(**params):
         sp = SamplingParams(**{"n": args.group_size, "temperature": 1.0, "max_tokens": args.max_tokens,
@@ -131,7 +130,7 @@ def main() -> None:
     variants = {
         "episodes (launch's rollout)": lambda: episodes(),
         "episodes, unseeded": lambda: episodes(seed=None),
-        "episodes, vLLM's per-token log-probs": episodes_vllm_logprobs,
+        "episodes, vLLM's own log-prob path": episodes_vllm_logprobs,
         "generate, logprobs=0": lambda: generate(logprobs=0),
         "generate, no logprobs": lambda: generate(),
         "generate, no logprobs, ignore_eos": lambda: generate(ignore_eos=True),

@@ -301,7 +301,7 @@ class EpisodeRunner:
         version at the step it finished) when it finishes."""
         out, version = await self.request(token_ids, self.vc.request_params(**sampling))
         c = out.outputs[0]
-        return list(c.token_ids), self.vc.sampled_logprobs(c), c.finish_reason, version
+        return list(c.token_ids), self.vc.take_logprobs(self.llm, out), c.finish_reason, version
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """log p(token t | <t), t >= 1, of a token prompt on the engine's current weights, as one request

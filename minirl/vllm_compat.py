@@ -9,7 +9,7 @@ on a new vLLM): `llm_engine.model_executor.driver_worker.worker`, its model's `l
 from __future__ import annotations
 
 import contextlib
-import functools
+import copy
 import logging
 import os
 import time
@@ -106,6 +106,7 @@ def build_llm(model: str, **kwargs) -> ManagedLLM:
                                    torch.cuda.get_device_capability())
         kwargs = kwargs if mode is None else {**kwargs, "compilation_config": mode}
     llm = ManagedLLM(model=model, **kwargs)
+    SampledTap.of(llm)                  # before anything (vc.recorded_steps) wraps the scheduler
     # every weight load resets the prefix cache: no INFO line each time (set after building the engine)
     logging.getLogger("vllm.v1.core.block_pool").setLevel(logging.WARNING)
     return llm
@@ -273,36 +274,73 @@ except ImportError:
 
 def add_request(llm: LLM, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
     """A request of token ids; vLLM validates it as any other (length, vocabulary). One that keeps
-    only its sampled tokens' log-probs in flat lists, undecoded (request_params(logprobs=0)), has them
-    appended in bulk by `_append_sampled` instead of vLLM's per-position loop: the same values."""
+    only its sampled tokens' log-probs (logprobs=0, n=1) has them read by the engine's SampledTap:
+    take_logprobs returns them once it finishes."""
     prompt = TokensPrompt(prompt_token_ids=token_ids) if tokens_input is None else tokens_input(list(token_ids))
     llm.llm_engine.add_request(request_id, prompt, params)
-    if params.logprobs == 0 and not params.detokenize and params.flat_logprobs:
-        processor = getattr(llm.llm_engine, "output_processor", None)
-        for rid in getattr(processor, "external_req_ids", {}).get(request_id, ()):
-            lp = getattr(processor.request_states.get(rid), "logprobs_processor", None)
-            if lp is not None and lp.tokenizer is None:
-                lp._update_sample_logprobs = functools.partial(_append_sampled, lp)
+    if params.logprobs == 0 and params.n == 1 and (tap := SampledTap.of(llm)) is not None:
+        for rid in llm.llm_engine.output_processor.external_req_ids.get(request_id, ()):
+            tap.values[rid], tap.internal[request_id] = [], rid
 
 
-def _append_sampled(lp, logprobs_lists) -> None:
-    """vLLM's LogprobsProcessor._update_sample_logprobs for a request with logprobs=0, flat log-probs
-    and no tokenizer: one entry per position (the sampled token, its log-prob, its rank, no text),
-    appended with one tolist per array instead of three per position; cumulative_logprob summed in
-    the same order."""
-    token_ids, logprobs, ranks = logprobs_lists[:3]
-    values = logprobs[:, 0].tolist()
-    flat, start = lp.logprobs, len(lp.logprobs.logprobs)
-    flat.start_indices.extend(range(start, start + len(values)))
-    flat.end_indices.extend(range(start + 1, start + 1 + len(values)))
-    flat.token_ids.extend(token_ids[:, 0].tolist())
-    flat.logprobs.extend(values)
-    flat.ranks.extend(ranks.tolist())
-    flat.decoded_tokens.extend([None] * len(values))
-    total = lp.cumulative_logprob
-    for v in values:
-        total += v
-    lp.cumulative_logprob = total
+def take_logprobs(llm: LLM, output) -> list[float]:
+    """The sampled tokens' log-probs of a finished one-completion request that add_request made."""
+    tap, c = SampledTap.of(llm), output.outputs[0]
+    rid = None if tap is None else tap.internal.pop(output.request_id, None)
+    if rid is None:
+        return sampled_logprobs(c)
+    values = tap.values.pop(rid)
+    if len(values) != len(c.token_ids):
+        raise RuntimeError(f"request {output.request_id}: {len(values)} log-probs read for {len(c.token_ids)} "
+                           f"sampled tokens (vLLM {vllm.__version__}: check SampledTap against its scheduler)")
+    return values
+
+
+class SampledTap:
+    """Reads the sampled tokens' log-probs of add_request's requests from each step's batch arrays
+    (the model runner's LogprobsLists, one row per request) inside the scheduler's update_from_output,
+    and hides those arrays from vLLM when only such requests ran: its per-request slices, the
+    engine core outputs' copies and the output processor's appends are skipped (about 4 ms of a
+    512-request decode step on the host; benchmarks/decode_host.py). The values are vLLM's own,
+    row for row: the rows of the tokens the scheduler kept (each output's new_token_ids)."""
+
+    def __init__(self, scheduler):
+        self.values: dict[str, list[float]] = {}     # engine request id -> log-probs read so far
+        self.internal: dict[str, str] = {}           # add_request's id -> the engine's
+        self.update = scheduler.update_from_output
+        scheduler.update_from_output = self
+
+    @staticmethod
+    def of(llm: LLM) -> SampledTap | None:
+        """The engine's tap, made on first use; None where the scheduler runs in another process or
+        something else wraps its update_from_output."""
+        engine = llm.llm_engine
+        if (tap := getattr(engine, "_minirl_tap", None)) is None:
+            scheduler = getattr(getattr(getattr(engine, "engine_core", None), "engine_core", None), "scheduler", None)
+            if scheduler is None or "update_from_output" in vars(scheduler):
+                return None
+            tap = engine._minirl_tap = SampledTap(scheduler)
+        return tap
+
+    def __call__(self, scheduler_output, runner_output, *args, **kwargs):
+        lists, mine = getattr(runner_output, "logprobs", None), self.values
+        if lists is None or not mine:
+            return self.update(scheduler_output, runner_output, *args, **kwargs)
+        if all(r in mine for r in runner_output.req_ids):
+            runner_output = copy.copy(runner_output)
+            runner_output.logprobs = None
+        outputs = self.update(scheduler_output, runner_output, *args, **kwargs)
+        rows, cu, lps = runner_output.req_id_to_index, lists.cu_num_generated_tokens, lists.logprobs
+        kept = [(mine[o.request_id], rows[o.request_id], len(o.new_token_ids)) for out in outputs.values()
+                for o in out.outputs if o.new_token_ids and o.request_id in mine]
+        if cu is None and all(n == 1 for _, _, n in kept):     # decode: one row each, read at once
+            for got, value in zip(kept, lps[[row for _, row, _ in kept], 0].tolist()):
+                got[0].append(value)
+        else:
+            for got, row, n in kept:
+                start = row if cu is None else cu[row]
+                got.extend(lps[start:start + n, 0].tolist())
+        return outputs
 
 
 def engine_step(llm: LLM) -> list:
@@ -312,6 +350,9 @@ def engine_step(llm: LLM) -> list:
 
 def abort_requests(llm: LLM, request_ids: list[str]) -> None:
     llm.llm_engine.abort_request(list(request_ids))
+    if (tap := getattr(llm.llm_engine, "_minirl_tap", None)) is not None:
+        for rid in request_ids:
+            tap.values.pop(tap.internal.pop(rid, ""), None)
 
 
 def max_model_len(llm: LLM) -> int:

@@ -128,38 +128,45 @@ def test_masks_and_logprobs_align_with_the_engine(wm):
     assert batch.old_logprobs[0, P - 1 + 4].item() == pytest.approx(r.sampling_logprobs[4])
 
 
-def test_sampled_logprobs_kept_in_bulk_equal_vllms_own(wm, monkeypatch):
-    """A request with logprobs=0, undecoded, has its sampled tokens' log-probs appended in bulk
-    (vllm_compat._append_sampled) in place of vLLM's per-position loop; seeded, the same requests
-    give identical FlatLogprobs (ids, values, ranks, positions) and cumulative log-prob either way,
-    and the bulk path really ran."""
-    from vllm.v1.engine.logprobs import LogprobsProcessor
-
+def test_sampled_logprobs_read_by_the_tap_equal_vllms_own(wm, monkeypatch):
+    """A request with logprobs=0 has its sampled tokens' log-probs read from each step's batch by the
+    engine's SampledTap, and vLLM then keeps none (its completion's list stays empty); seeded, the
+    same requests through vLLM's own path give the same tokens and values. Beside a request asking
+    for top-2 log-probs, vLLM's path runs for all (the batch is not only the tap's) and the tap's
+    values equal vLLM's there too; an aborted request leaves nothing behind."""
     llm = wm.as_vllm()
     ids = llm.get_tokenizer().encode("3+4=")
+    tap = vc.SampledTap.of(llm)
 
-    def finished(tag):
+    def finished(tag, extra=None):
         for i in range(3):
             vc.add_request(llm, f"{tag}{i}", ids, vc.request_params(max_tokens=6, ignore_eos=True, seed=i,
                                                                     temperature=1.0, logprobs=0, detokenize=False))
+        if extra:
+            vc.add_request(llm, extra, ids, vc.request_params(max_tokens=6, ignore_eos=True, seed=9, logprobs=2))
         done = {}
-        while len(done) < 3:
-            done.update((o.request_id, o.outputs[0]) for o in vc.engine_step(llm) if o.finished)
-        return [done[f"{tag}{i}"] for i in range(3)]
+        while len(done) < 3 + bool(extra):
+            done.update((o.request_id, o) for o in vc.engine_step(llm) if o.finished)
+        return [(done[f"{tag}{i}"].outputs[0], vc.take_logprobs(llm, done[f"{tag}{i}"])) for i in range(3)], \
+            done.get(extra)
 
-    bulk_calls = []
-    bulk = vc._append_sampled
-    monkeypatch.setattr(vc, "_append_sampled", lambda lp, lists: bulk_calls.append(1) or bulk(lp, lists))
-    fast = finished("bulk")
-    monkeypatch.setattr(vc, "_append_sampled", LogprobsProcessor._update_sample_logprobs)
-    slow = finished("own")
-    assert len(bulk_calls) >= 6                                   # 3 requests x 6 tokens, bulk at every step
-    for a, b in zip(fast, slow):
-        assert a.token_ids == b.token_ids and len(a.token_ids) == 6
-        for field in ("start_indices", "end_indices", "token_ids", "logprobs", "ranks", "decoded_tokens"):
-            assert getattr(a.logprobs, field) == getattr(b.logprobs, field), field
-        assert a.cumulative_logprob == b.cumulative_logprob and a.cumulative_logprob < 0
-        assert vc.sampled_logprobs(a) == a.logprobs.logprobs and len(a.logprobs.logprobs) == 6
+    tapped, _ = finished("tap")
+    assert tap is not None and not tap.values and not tap.internal          # every entry taken
+    with monkeypatch.context() as m:
+        m.setattr(vc.SampledTap, "of", staticmethod(lambda llm: None))
+        own, _ = finished("own")                                             # vLLM's per-request path
+    mixed, other = finished("mix", extra="top2")
+    for (a, la), (b, lb), (c, lc) in zip(tapped, own, mixed):
+        assert a.token_ids == b.token_ids and len(la) == 6 and len(a.logprobs or []) == 0
+        assert la == lb == list(b.logprobs.logprobs) and all(v < 0 for v in la)
+        assert lc == list(c.logprobs.logprobs) and len(lc) == 6
+    assert len(other.outputs[0].logprobs) == 6 and all(len(d) >= 2 for d in other.outputs[0].logprobs)
+
+    vc.add_request(llm, "gone", ids, vc.request_params(max_tokens=50, ignore_eos=True, logprobs=0))
+    vc.engine_step(llm)
+    assert tap.internal and tap.values
+    vc.abort_requests(llm, ["gone"])
+    assert not tap.internal and not tap.values
 
 
 def test_single_turn_is_the_one_turn_episode(wm):
