@@ -331,15 +331,15 @@ class SampledTap:
             runner_output.logprobs = None
         outputs = self.update(scheduler_output, runner_output, *args, **kwargs)
         rows, cu, lps = runner_output.req_id_to_index, lists.cu_num_generated_tokens, lists.logprobs
-        kept = [(mine[o.request_id], rows[o.request_id], len(o.new_token_ids)) for out in outputs.values()
+        first = (lambda r: rows[r]) if cu is None else (lambda r: cu[rows[r]])     # a request's first row
+        kept = [(mine[o.request_id], first(o.request_id), len(o.new_token_ids)) for out in outputs.values()
                 for o in out.outputs if o.new_token_ids and o.request_id in mine]
-        if cu is None and all(n == 1 for _, _, n in kept):     # decode: one row each, read at once
-            for got, value in zip(kept, lps[[row for _, row, _ in kept], 0].tolist()):
-                got[0].append(value)
+        if all(n == 1 for *_, n in kept):                       # decode: one row each, read at once
+            for (got, *_), value in zip(kept, lps[[row for _, row, _ in kept], 0].tolist()):
+                got.append(value)
         else:
             for got, row, n in kept:
-                start = row if cu is None else cu[row]
-                got.extend(lps[start:start + n, 0].tolist())
+                got.extend(lps[row:row + n, 0].tolist())
         return outputs
 
 
