@@ -87,7 +87,7 @@ def test_decode_host_benchmark_smoke(tmp_path):
     best = doc["best"]
     assert len(best) == 6 and doc["engine_process"] is False
     assert best["generate, no logprobs, ignore_eos"]["tokens"] == 4 * 8 * 16
-    assert best["episodes (launch's rollout)"]["tokens"] == best["episodes, vLLM's per-token log-probs"]["tokens"]
+    assert best["episodes (launch's rollout)"]["tokens"] == best["episodes, vLLM's own log-prob path"]["tokens"]
     assert all(0 < b["tokens"] <= 4 * 8 * 16 and 2 <= b["engine_steps"] <= 17 and b["wall_s"] > 0 for b in best.values())
     host = doc["host_profile"]
     assert host["top"] and 0 < sum(f["share"] for f in host["top"]) <= 1.0001
