@@ -357,6 +357,8 @@ class EpisodeRunner:
             fut = self._futures.pop(out.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result((out, self.policy_version))   # stamped before any load between steps
+            else:                                            # cancelled as it finished: no one takes
+                self.vc.abort_requests(self.llm, [out.request_id])   # it, so what the tap read goes
         self.stats["steps"] += 1
         return len(finished)
 

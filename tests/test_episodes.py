@@ -169,6 +169,19 @@ def test_sampled_logprobs_read_by_the_tap_equal_vllms_own(wm, monkeypatch):
     assert not tap.internal and not tap.values
 
 
+def test_a_finished_request_no_one_takes_leaves_nothing_in_the_tap(wm):
+    """A request that finishes after its episode let go of it (cancelled in the same step) is
+    forgotten by the runner: the tap keeps none of its log-probs."""
+    llm = wm.as_vllm()
+    runner, tap = EpisodeRunner(llm), vc.SampledTap.of(llm)
+    vc.add_request(llm, "orphan", llm.get_tokenizer().encode("3+4="),
+                   vc.request_params(max_tokens=3, ignore_eos=True, logprobs=0, detokenize=False))
+    assert "orphan" in tap.internal
+    while runner._step() == 0:
+        pass
+    assert not tap.internal and not tap.values
+
+
 def test_single_turn_is_the_one_turn_episode(wm):
     """What the loops ran before: group_size completions per prompt, scored by reward_fn with metadata."""
     calls = []
