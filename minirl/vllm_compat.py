@@ -285,7 +285,7 @@ def add_request(llm: LLM, request_id: str, token_ids: list[int], params: Samplin
 
 def take_logprobs(llm: LLM, output) -> list[float]:
     """The sampled tokens' log-probs of a finished one-completion request that add_request made."""
-    tap, c = SampledTap.of(llm), output.outputs[0]
+    tap, c = getattr(llm.llm_engine, "_minirl_tap", None), output.outputs[0]
     rid = None if tap is None else tap.internal.pop(output.request_id, None)
     if rid is None:
         return sampled_logprobs(c)
@@ -316,7 +316,7 @@ class SampledTap:
         something else wraps its update_from_output."""
         engine = llm.llm_engine
         if (tap := getattr(engine, "_minirl_tap", None)) is None:
-            scheduler = getattr(getattr(getattr(engine, "engine_core", None), "engine_core", None), "scheduler", None)
+            scheduler = _scheduler(llm)
             if scheduler is None or "update_from_output" in vars(scheduler):
                 return None
             tap = engine._minirl_tap = SampledTap(scheduler)
@@ -341,6 +341,11 @@ class SampledTap:
             for got, row, n in kept:
                 got.extend(lps[row:row + n, 0].tolist())
         return outputs
+
+
+def _scheduler(llm: LLM):
+    """The in-process engine core's scheduler; None where the core runs in another process."""
+    return getattr(getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None), "scheduler", None)
 
 
 def engine_step(llm: LLM) -> list:
@@ -373,8 +378,7 @@ def recorded_steps(llm: LLM):
     more than one token. tokens and prefill are None where the scheduler is out of reach or the step
     returned no batch. LLMEngine.step and the scheduler's update_from_output are wrapped on their
     instances and restored on exit."""
-    engine = llm.llm_engine
-    scheduler = getattr(getattr(getattr(engine, "engine_core", None), "engine_core", None), "scheduler", None)
+    engine, scheduler = llm.llm_engine, _scheduler(llm)
     steps: list[tuple[float, int | None, bool | None]] = []
     batch: list = [None, None]          # (tokens, prefill) of the batch the running step returned
     step, update = engine.step, getattr(scheduler, "update_from_output", None)
