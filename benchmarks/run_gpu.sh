@@ -99,6 +99,11 @@ for stage in "$@"; do
       # time, cProfile (host) and torch.profiler (device) of the rollout; DECODE_SHAPE (qwen3-0.6b)
       timeout 500 python benchmarks/decode_host.py --shape "${DECODE_SHAPE:-qwen3-0.6b}" \
         --out "$out/decode_host_${DECODE_SHAPE:-qwen3-0.6b}.json" 2>&1 | grep -v "^\[\|INFO\|WARNING" | tail -60 ;;
+    decode-host-lever)   # one engine setting changed (DECODE_KWARGS, JSON; DECODE_TAG names the file): the
+      # launch's rollout and raw generate without log-probs on that engine, with both profiles
+      timeout 300 python benchmarks/decode_host.py --shape "${DECODE_SHAPE:-qwen3-0.6b}" --short \
+        --engine-kwargs "$DECODE_KWARGS" --out "$out/decode_host_${DECODE_SHAPE:-qwen3-0.6b}_${DECODE_TAG:-lever}.json" \
+        2>&1 | grep -v "^\[\|INFO\|WARNING" | grep -v "^ \{3,\}[0-9]" | tail -12 ;;
     decode-host-mp)   # the same with the engine core in its own process (vLLM's default), as minirl does not run it
       timeout 500 python benchmarks/decode_host.py --shape "${DECODE_SHAPE:-qwen3-0.6b}" --engine-process \
         --out "$out/decode_host_${DECODE_SHAPE:-qwen3-0.6b}_mp.json" 2>&1 | grep -v "^\[\|INFO\|WARNING" | tail -40 ;;
