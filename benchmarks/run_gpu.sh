@@ -103,7 +103,13 @@ for stage in "$@"; do
       # launch's rollout and raw generate without log-probs on that engine, with both profiles
       timeout 300 python benchmarks/decode_host.py --shape "${DECODE_SHAPE:-qwen3-0.6b}" --short \
         --engine-kwargs "$DECODE_KWARGS" --out "$out/decode_host_${DECODE_SHAPE:-qwen3-0.6b}_${DECODE_TAG:-lever}.json" \
-        2>&1 | grep -v "^\[\|INFO\|WARNING" | grep -v "^ \{3,\}[0-9]" | tail -12 ;;
+        2>&1 | grep -E "ms/step|^device:|Error" | tail -12 ;;
+    decode-levers)   # the launch's engine, then each attention lever on its own engine (decode-host-lever each)
+      levers=('base={}' 'splits1={"attention_config": {"flash_attn_max_num_splits_for_cuda_graph": 1}}'
+              'triton={"attention_backend": "TRITON_ATTN"}' 'base_2={}')
+      for lever in "${levers[@]}"; do
+        DECODE_TAG=${lever%%=*} DECODE_KWARGS=${lever#*=} bash "$0" "$out" decode-host-lever
+      done ;;
     decode-host-mp)   # the same with the engine core in its own process (vLLM's default), as minirl does not run it
       timeout 500 python benchmarks/decode_host.py --shape "${DECODE_SHAPE:-qwen3-0.6b}" --engine-process \
         --out "$out/decode_host_${DECODE_SHAPE:-qwen3-0.6b}_mp.json" 2>&1 | grep -v "^\[\|INFO\|WARNING" | tail -40 ;;
