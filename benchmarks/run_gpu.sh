@@ -101,8 +101,9 @@ for stage in "$@"; do
         --out "$out/decode_host_${DECODE_SHAPE:-qwen3-0.6b}.json" 2>&1 | grep -v "^\[\|INFO\|WARNING" | tail -60 ;;
     decode-host-lever)   # one engine setting changed (DECODE_KWARGS, JSON; DECODE_TAG names the file): the
       # launch's rollout and raw generate without log-probs on that engine, with both profiles
+      kwargs=${DECODE_KWARGS:-"{}"}
       timeout 300 python benchmarks/decode_host.py --shape "${DECODE_SHAPE:-qwen3-0.6b}" --short \
-        --engine-kwargs "$DECODE_KWARGS" --out "$out/decode_host_${DECODE_SHAPE:-qwen3-0.6b}_${DECODE_TAG:-lever}.json" \
+        --engine-kwargs "$kwargs" --out "$out/decode_host_${DECODE_SHAPE:-qwen3-0.6b}_${DECODE_TAG:-lever}.json" \
         2>&1 | grep -E "ms/step|^device:|Error" | tail -12 ;;
     decode-levers)   # the launch's engine, then each attention lever on its own engine (decode-host-lever each)
       levers=('base={}' 'splits1={"attention_config": {"flash_attn_max_num_splits_for_cuda_graph": 1}}'
