@@ -50,6 +50,7 @@ def _error(argv, capsys) -> str:
     (["--task", "gsm9k"], "argument --task: invalid choice: 'gsm9k'"),
     (["--compilation-config", "mode=0"], "argument --compilation-config: not JSON"),
     (["--compilation-config", "[0]"], "'[0]' is JSON but not an object"),
+    (["--engine-kwargs", "attention_backend=TRITON_ATTN"], "argument --engine-kwargs: not JSON"),
 ])
 def test_nonsense_values_fail_at_parse_time(argv, message, capsys):
     assert message in _error(argv, capsys)
@@ -69,6 +70,9 @@ def test_defaults_and_good_values_parse():
     assert budgets == [None, 0.6]
     args = common.parse_args("doc", "runs/x", ["--compilation-config", '{"mode": 0}'])
     assert common.llm_kwargs(args)["compilation_config"] == {"mode": 0}
+    args = common.parse_args("doc", "runs/x", ["--engine-kwargs", '{"attention_backend": "TRITON_ATTN", "max_num_seqs": 8}'])
+    kw = common.llm_kwargs(args)                     # the user's arguments win over the launch's own
+    assert (kw["attention_backend"], kw["max_num_seqs"], kw["max_model_len"]) == ("TRITON_ATTN", 8, 256)
 
 
 def test_eval_schedule():
