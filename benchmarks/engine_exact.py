@@ -46,6 +46,7 @@ SETTINGS = {
     "decode": {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}},
     "piecewise": {"compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}},
     "decode-compiled": {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
+    "triton": {"attention_backend": "TRITON_ATTN"},                    # the default's graphs, Triton's kernel
     "full-split1": {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL"},
                     "attention_config": {"flash_attn_max_num_splits_for_cuda_graph": 1}},
 }

@@ -111,6 +111,14 @@ for stage in "$@"; do
       for lever in "${levers[@]}"; do
         DECODE_TAG=${lever%%=*} DECODE_KWARGS=${lever#*=} bash "$0" "$out" decode-host-lever
       done ;;
+    triton-exact)   # Triton's attention kernel in minirl's engine: log-probs beside HF's fp32, before and after a load
+      timeout 400 python benchmarks/engine_exact.py --models tiny,tiny-hd128,q06-2l --settings default,triton --extra "" \
+        --out "$out/engine_exact_triton.json" 2>&1 | grep -v "^\[" | tail -12 ;;
+    triton-*)   # minirl's step with Triton's attention kernel, then with the launch's engine: triton-SHAPE-TOKENS
+      IFS=- read -r _ shape tokens <<< "$stage"
+      STEP_TAG=_triton STEP_ARGS="--engine-kwargs '{\"attention_backend\": \"TRITON_ATTN\"}'" \
+        bash "$0" "$out" "step-$shape-$tokens-minirl"
+      bash "$0" "$out" "step-$shape-$tokens-minirl" ;;
     decode-host-mp)   # the same with the engine core in its own process (vLLM's default), as minirl does not run it
       timeout 500 python benchmarks/decode_host.py --shape "${DECODE_SHAPE:-qwen3-0.6b}" --engine-process \
         --out "$out/decode_host_${DECODE_SHAPE:-qwen3-0.6b}_mp.json" 2>&1 | grep -v "^\[\|INFO\|WARNING" | tail -40 ;;
