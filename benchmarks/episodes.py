@@ -128,6 +128,8 @@ def main(argv=None):
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--compilation-config", type=json.loads, default=None, metavar="JSON",
                    help="vLLM's compilation_config (default: minirl's engine default); '{}': vLLM's own")
+    p.add_argument("--engine-kwargs", type=json.loads, default={}, metavar="JSON",
+                   help='more vllm.LLM arguments, e.g. \'{"attention_backend": "TRITON_ATTN"}\'')
     p.add_argument("--admit-wait-steps", type=int, nargs="+", default=None,
                    help="EpisodeConfig.admit_wait_steps (default: its default); several: one episode run each")
     p.add_argument("--seed", type=int, default=0)
@@ -144,7 +146,8 @@ def main(argv=None):
             torch.cuda.empty_cache()                  # the engine plans its memory from what is free
         max_len = args.prompt_tokens + args.turns * (args.turn_tokens[1] + args.env_tokens) + 8
         user = {"max_model_len": max_len, "max_num_seqs": args.episodes, **({"enforce_eager": True} if args.eager else {}),
-                **({} if args.compilation_config is None else {"compilation_config": args.compilation_config})}
+                **({} if args.compilation_config is None else {"compilation_config": args.compilation_config}),
+                **args.engine_kwargs}
         t0 = time.perf_counter()
         llm = vc.build_llm(str(path), **vc.engine_kwargs(user, sleep=False, seed=args.seed, colocated=False))
         start_s = time.perf_counter() - t0

@@ -114,6 +114,9 @@ for stage in "$@"; do
     triton-exact)   # Triton's attention kernel in minirl's engine: log-probs beside HF's fp32, before and after a load
       timeout 400 python benchmarks/engine_exact.py --models tiny,tiny-hd128,q06-2l --settings default,triton --extra "" \
         --out "$out/engine_exact_triton.json" 2>&1 | grep -v "^\[" | tail -12 ;;
+    episodes-triton)   # the episodes with Triton's attention kernel (steps that admit a new turn mix prefill and decode)
+      timeout 420 python benchmarks/episodes.py --engine-kwargs '{"attention_backend": "TRITON_ATTN"}' \
+        --out "$out/episodes_h200_qwen3-0.6b_triton.json" 2>&1 | grep -v "^\[" | tail -8 ;;
     triton-*)   # minirl's step with Triton's attention kernel, then with the launch's engine: triton-SHAPE-TOKENS
       IFS=- read -r _ shape tokens <<< "$stage"
       STEP_TAG=_triton STEP_ARGS="--engine-kwargs '{\"attention_backend\": \"TRITON_ATTN\"}'" \
