@@ -13,6 +13,7 @@ set -uo pipefail
 out=$1; shift; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 log() { echo "[run_gpu $(date +%H:%M:%S)] $*"; }
+triton='{"attention_backend": "TRITON_ATTN"}'   # vllm.LLM's argument for Triton's attention kernel
 for stage in "$@"; do
   log "stage $stage"
   case "$stage" in
@@ -107,7 +108,7 @@ for stage in "$@"; do
         2>&1 | grep -E "ms/step|^device:|Error" | tail -12 ;;
     decode-levers)   # the launch's engine, then each attention lever on its own engine (decode-host-lever each)
       levers=('base={}' 'splits1={"attention_config": {"flash_attn_max_num_splits_for_cuda_graph": 1}}'
-              'triton={"attention_backend": "TRITON_ATTN"}' 'base_2={}')
+              "triton=$triton" 'base_2={}')
       for lever in "${levers[@]}"; do
         DECODE_TAG=${lever%%=*} DECODE_KWARGS=${lever#*=} bash "$0" "$out" decode-host-lever
       done ;;
@@ -115,11 +116,11 @@ for stage in "$@"; do
       timeout 400 python benchmarks/engine_exact.py --models tiny,tiny-hd128,q06-2l --settings default,triton --extra "" \
         --out "$out/engine_exact_triton.json" 2>&1 | grep -v "^\[" | tail -12 ;;
     episodes-triton)   # the episodes with Triton's attention kernel (steps that admit a new turn mix prefill and decode)
-      timeout 420 python benchmarks/episodes.py --engine-kwargs '{"attention_backend": "TRITON_ATTN"}' \
+      timeout 420 python benchmarks/episodes.py --engine-kwargs "$triton" \
         --out "$out/episodes_h200_qwen3-0.6b_triton.json" 2>&1 | grep -v "^\[" | tail -8 ;;
     triton-*)   # minirl's step with Triton's attention kernel, then with the launch's engine: triton-SHAPE-TOKENS
       IFS=- read -r _ shape tokens <<< "$stage"
-      STEP_TAG=_triton STEP_ARGS="--engine-kwargs '{\"attention_backend\": \"TRITON_ATTN\"}'" \
+      STEP_TAG=_triton STEP_ARGS="--engine-kwargs '$triton'" \
         bash "$0" "$out" "step-$shape-$tokens-minirl"
       bash "$0" "$out" "step-$shape-$tokens-minirl" ;;
     decode-host-mp)   # the same with the engine core in its own process (vLLM's default), as minirl does not run it
