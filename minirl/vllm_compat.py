@@ -87,6 +87,18 @@ def default_compilation(kw: dict, head_dim: int, capability: tuple[int, int]) ->
     return {"cudagraph_mode": "FULL" if head_dim in FULL_GRAPHS_HEAD_DIMS else "FULL_DECODE_ONLY"}
 
 
+def default_attention(kw: dict, capability: tuple[int, int]) -> dict:
+    """The attention backend build_llm gives a CUDA engine whose kwargs name none: on TRITON_ON,
+    Triton's unified attention kernel (on Hopper as exact as FlashAttention 3 against HF's fp32 and
+    1.3 ms a decode step faster at 0.6B x 512 sequences; benchmarks/results/2026-12-06-c and -d)."""
+    if "attention_backend" in kw or "attention_config" in kw or capability[0] not in TRITON_ON:
+        return {}
+    return {"attention_backend": "TRITON_ATTN"}
+
+
+TRITON_ON = (9,)
+"""CUDA compute capabilities (major) where default_attention picks Triton's attention kernel."""
+
 FULL_GRAPHS_ON = (9,)
 """CUDA compute capabilities (major) whose default attention backend (FlashAttention 3 on Hopper)
 captures full CUDA graphs for mixed prefill and decode steps too (benchmarks/results/2026-12-02-b)."""
@@ -98,13 +110,14 @@ fail to capture), decode-only graphs do (benchmarks/engine_exact.py, benchmarks/
 
 def build_llm(model: str, **kwargs) -> ManagedLLM:
     """A ManagedLLM of `model` with `kwargs` (engine_kwargs' output), plus on CUDA the CUDA-graph mode
-    default_compilation picks for the model's head size."""
+    default_compilation picks for the model's head size and default_attention's kernel."""
     if ON_CPU:   # else vLLM drops this process (and so its trainer) to one torch thread
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     else:
         mode = default_compilation(kwargs, head_dim(model, kwargs.get("trust_remote_code", False)),
                                    torch.cuda.get_device_capability())
         kwargs = kwargs if mode is None else {**kwargs, "compilation_config": mode}
+        kwargs = {**kwargs, **default_attention(kwargs, torch.cuda.get_device_capability())}
     llm = ManagedLLM(model=model, **kwargs)
     SampledTap.of(llm)                  # before anything (vc.recorded_steps) wraps the scheduler
     # every weight load resets the prefix cache: no INFO line each time (set after building the engine)

@@ -152,7 +152,8 @@ def test_bad_arguments_fail_before_any_work(tiny_model, kwargs, err, msg):
 def test_engine_graph_mode_by_device_and_head_size(tiny_model, tmp_path):
     """Full CUDA graphs for every step on Hopper where they are exact (head_dim 128), decode-only
     graphs there for other head sizes (head_dim 64: wrong prefill attention under full graphs),
-    vLLM's own mode elsewhere; a user's compilation_config, enforce_eager or adapter serving win."""
+    vLLM's own mode elsewhere; a user's compilation_config, enforce_eager or adapter serving win.
+    Triton's attention kernel on Hopper unless the user names a backend."""
     from minirl.recipes.tiny import build_tiny_model
     mode = vc.default_compilation
     assert mode({}, 128, (9, 0)) == {"cudagraph_mode": "FULL"}
@@ -163,6 +164,13 @@ def test_engine_graph_mode_by_device_and_head_size(tiny_model, tmp_path):
     for user in ({"compilation_config": {"mode": 0}}, {"enforce_eager": True}, {"enable_lora": True}):
         assert mode(user, 128, (9, 0)) is None, user
     assert "compilation_config" not in vc.engine_kwargs({}, sleep=False, seed=0, colocated=False)
+    attention = vc.default_attention                 # Triton's kernel on Hopper unless the user names one
+    assert attention({}, (9, 0)) == {"attention_backend": "TRITON_ATTN"}
+    assert attention({"enable_lora": True}, (9, 0)) == {"attention_backend": "TRITON_ATTN"}
+    for user in ({"attention_backend": "FLASH_ATTN"}, {"attention_config": {"backend": "FLASH_ATTN"}}):
+        assert attention(user, (9, 0)) == {}, user
+    for other in [(8, 0), (10, 0)]:
+        assert attention({}, other) == {}, other
     assert vc.head_dim(tiny_model) == 64                                   # hidden 128 / 2 heads
     assert vc.head_dim(str(build_tiny_model(tmp_path / "m", hidden_size=256, num_heads=2))) == 128
 
