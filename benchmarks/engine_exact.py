@@ -47,6 +47,7 @@ SETTINGS = {
     "piecewise": {"compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}},
     "decode-compiled": {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
     "triton": {"attention_backend": "TRITON_ATTN"},                    # the default's graphs, Triton's kernel
+    "fa3": {"attention_backend": "FLASH_ATTN"},                        # the default's graphs, FlashAttention
     "full-split1": {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL"},
                     "attention_config": {"flash_attn_max_num_splits_for_cuda_graph": 1}},
 }

@@ -129,7 +129,7 @@ def main(argv=None):
     p.add_argument("--compilation-config", type=json.loads, default=None, metavar="JSON",
                    help="vLLM's compilation_config (default: minirl's engine default); '{}': vLLM's own")
     p.add_argument("--engine-kwargs", type=json.loads, default={}, metavar="JSON",
-                   help='more vllm.LLM arguments, e.g. \'{"attention_backend": "TRITON_ATTN"}\'')
+                   help='more vllm.LLM arguments, e.g. \'{"attention_backend": "FLASH_ATTN"}\'')
     p.add_argument("--admit-wait-steps", type=int, nargs="+", default=None,
                    help="EpisodeConfig.admit_wait_steps (default: its default); several: one episode run each")
     p.add_argument("--seed", type=int, default=0)

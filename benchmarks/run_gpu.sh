@@ -14,6 +14,7 @@ out=$1; shift; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 log() { echo "[run_gpu $(date +%H:%M:%S)] $*"; }
 triton='{"attention_backend": "TRITON_ATTN"}'   # vllm.LLM's argument for Triton's attention kernel
+fa3='{"attention_backend": "FLASH_ATTN"}'         # and for FlashAttention (3 on Hopper)
 for stage in "$@"; do
   log "stage $stage"
   case "$stage" in
@@ -112,15 +113,16 @@ for stage in "$@"; do
       for lever in "${levers[@]}"; do
         DECODE_TAG=${lever%%=*} DECODE_KWARGS=${lever#*=} bash "$0" "$out" decode-host-lever
       done ;;
-    triton-exact)   # Triton's attention kernel in minirl's engine: log-probs beside HF's fp32, before and after a load
-      timeout 400 python benchmarks/engine_exact.py --models tiny,tiny-hd128,q06-2l --settings default,triton --extra "" \
-        --out "$out/engine_exact_triton.json" 2>&1 | grep -v "^\[" | tail -12 ;;
-    episodes-triton)   # the episodes with Triton's attention kernel (steps that admit a new turn mix prefill and decode)
-      timeout 420 python benchmarks/episodes.py --engine-kwargs "$triton" \
-        --out "$out/episodes_h200_qwen3-0.6b_triton.json" 2>&1 | grep -v "^\[" | tail -8 ;;
-    triton-*)   # minirl's step with Triton's attention kernel, then with the launch's engine: triton-SHAPE-TOKENS
+    attn-exact)   # minirl's engine (Triton's attention kernel on Hopper) and with FlashAttention 3: log-probs
+      # beside HF's fp32, before and after a load
+      timeout 400 python benchmarks/engine_exact.py --models tiny,tiny-hd128,q06-2l --settings default,fa3 --extra "" \
+        --out "$out/engine_exact_attn.json" 2>&1 | grep -v "^\[" | tail -12 ;;
+    episodes-fa3)   # the episodes with FlashAttention 3 (steps that admit a new turn mix prefill and decode)
+      timeout 420 python benchmarks/episodes.py --engine-kwargs "$fa3" \
+        --out "$out/episodes_h200_qwen3-0.6b_fa3.json" 2>&1 | grep -v "^\[" | tail -8 ;;
+    fa3-*)   # minirl's step with FlashAttention 3, then with the launch's engine: fa3-SHAPE-TOKENS
       IFS=- read -r _ shape tokens <<< "$stage"
-      STEP_TAG=_triton STEP_ARGS="--engine-kwargs '$triton'" \
+      STEP_TAG=_fa3 STEP_ARGS="--engine-kwargs '$fa3'" \
         bash "$0" "$out" "step-$shape-$tokens-minirl"
       bash "$0" "$out" "step-$shape-$tokens-minirl" ;;
     decode-host-mp)   # the same with the engine core in its own process (vLLM's default), as minirl does not run it

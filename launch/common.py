@@ -113,7 +113,7 @@ def parse_args(doc: str, run_dir: str, argv=None, *, async_loop: bool = False):
         help='vLLM\'s compilation_config (default: full CUDA graphs on Hopper, vLLM\'s own elsewhere), '
              'e.g. \'{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}\'')
     add("--engine-kwargs", type=json_object, default=None, metavar="JSON",
-        help='more vllm.LLM arguments, over the launch\'s own, e.g. \'{"attention_backend": "TRITON_ATTN"}\'')
+        help='more vllm.LLM arguments, over the launch\'s own, e.g. \'{"attention_backend": "FLASH_ATTN"}\'')
     add("--no-verify", action="store_true", help="skip the check of every weight sync")
     add("--no-sync", action="store_true", help="(co-located) ablation: never load trained weights into vLLM")
     add("--sleep-level", type=int, default=None, choices=[0, 2],
