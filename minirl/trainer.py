@@ -180,11 +180,13 @@ class Trainer:
                 (loss * scale).backward()
                 for k, v in {"loss": loss, **stats}.items():
                     sums[k] = sums.get(k, 0.0) + v.detach().float().sum()
-            keys = sorted(sums)
-            vec = torch.stack([torch.as_tensor(sums[k], device=self.device) for k in keys]) if keys else None
-            if vec is not None and self.rank.world_size > 1:
-                dist.all_reduce(vec)
-            out = {k: float(v) / max(total, 1) for k, v in zip(keys, vec.tolist())} if keys else {}
+            keys = sorted(sums)             # none on a rank that had nothing to train: gather, not all_reduce
+            local = dict(zip(keys, torch.stack([sums[k] for k in keys]).tolist())) if keys else {}
+            if self.rank.world_size > 1:
+                parts = [None] * self.rank.world_size
+                dist.all_gather_object(parts, local)
+                local = {k: sum(p.get(k, 0.0) for p in parts) for k in sorted(set().union(*parts))}
+            out = {k: v / max(total, 1) for k, v in local.items()}
         return {**out, "tokens": total, "micro_batches": int(counts[1])}
 
     @torch.no_grad()
