@@ -123,7 +123,7 @@ class WeightManager:
             t0 = time.perf_counter()
             if asleep:    # vLLM maps its memory directly: hand the trainer's cached blocks back
                 torch.cuda.empty_cache()
-                vc.wake(self.llm, ["weights"])
+                self.llm.wake_up(tags=["weights"])
             t["wake_s"] = _since(t0, cuda)
             checked = self._sync(t) if self.config.sync_weights and (asleep or tr.stepped or self._reload) else None
             if self.memory_plan.offload_optimizer:
@@ -132,7 +132,7 @@ class WeightManager:
                 t["offload_s"] = time.perf_counter() - t1
             if asleep:                        # the sync's buffers, cached by the trainer's allocator, too
                 torch.cuda.empty_cache()
-                vc.wake(self.llm, ["kv_cache"])
+                self.llm.wake_up(tags=["kv_cache"])   # after the load
             self._reload = False
             self.llm.reset_prefix_cache()
             self._mode = "generate"           # awake: as_trainable() puts it back even if the check fails
@@ -152,7 +152,7 @@ class WeightManager:
             t0 = time.perf_counter()
             level = self.memory_plan.sleep_level
             if self.device.type == "cuda" and level > 0:
-                vc.sleep(self.llm, level if self.config.sync_weights else 1)
+                self.llm.sleep(level=level if self.config.sync_weights else 1)   # 2 discards the weights, 1 keeps them
                 self.trainer.optimizer_to_device()      # its copies run beside the forward and backward
                 if not self._slept:                     # the plan, checked against the engine when it first sleeps
                     self.memory_plan = memory.beside_sleeping_engine(self.trainer, self.memory_plan)

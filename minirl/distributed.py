@@ -20,7 +20,6 @@ import torch.distributed as dist
 class Rank:
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
     owns_group: bool = False    # init_distributed created the process group (its owner may destroy it)
 
@@ -63,4 +62,4 @@ def init_distributed(timeout_s: float = 600.0) -> Rank:
         store = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if alone else {}
         dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
                                 device_id=device if cuda else None, **store)
-    return Rank(dist.get_rank(), dist.get_world_size(), local_rank, device, created)
+    return Rank(dist.get_rank(), dist.get_world_size(), device, created)

@@ -17,6 +17,7 @@ be reused after the load); with it on, a load with requests in flight preempts t
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import inspect
@@ -103,7 +104,7 @@ class Generator:
                     self._serving = False
                     left, self._mailbox = self._mailbox, collections.deque()
                 for job in left:                 # asked for after the session's last step: run here
-                    job.run_direct()
+                    job.run()
                 for t in threads:
                     t.join(join_s)
                 self.stats.update({k: self.runner.stats[k] for k in ("busy_s", "serve_s", "abandoned_threads")})
@@ -116,7 +117,7 @@ class Generator:
             if job.exclusive and self.runner.requests_in_flight:
                 return                           # it runs once the running requests finished
             self._mailbox.popleft()
-            job.run_in_session()
+            job.run(in_session=True)
 
     def _in_engine(self, direct: Callable[[], Any], session: Callable[[], Any] | None = None, *,
                    exclusive: bool = False, timeout_s: float = 600.0) -> Any:
@@ -138,7 +139,7 @@ class Generator:
             self.runner.wake()
         else:
             try:
-                job.run_direct()
+                job.run()
             finally:
                 self._engine.release()
         try:
@@ -274,25 +275,18 @@ class _Job:
         self.direct, self.session, self.exclusive, self.tasks = direct, session, exclusive, tasks
         self.future: concurrent.futures.Future = concurrent.futures.Future()
 
-    def run_direct(self) -> None:
+    def run(self, in_session: bool = False) -> None:
+        """direct(), or session() between the session's steps (an awaitable then runs as its task)."""
         try:
-            self.future.set_result(self.direct())
+            out = self.session() if in_session else self.direct()
+            if in_session and inspect.isawaitable(out):
+                task = asyncio.ensure_future(out)
+                self.tasks.add(task)
+                task.add_done_callback(self._finish)
+            else:
+                self.future.set_result(out)
         except BaseException as e:
             self.future.set_exception(e)
-
-    def run_in_session(self) -> None:
-        import asyncio
-        try:
-            out = self.session()
-        except BaseException as e:
-            self.future.set_exception(e)
-            return
-        if not inspect.isawaitable(out):
-            self.future.set_result(out)
-            return
-        task = asyncio.ensure_future(out)
-        self.tasks.add(task)
-        task.add_done_callback(self._finish)
 
     def _finish(self, task) -> None:
         self.tasks.discard(task)

@@ -29,7 +29,7 @@ from minirl.distributed import init_distributed, pick_device
 from minirl.lora import LoRAConfig, adapters_off, base_name, merge_bucket
 from minirl.model import _decoder_layers, check_model_path, load_fsdp_model, model_identity, precision, \
     recompute_layers, recomputed_layers
-from minirl.weights import bucket_fingerprint, bucket_layout, full_weight_buckets, gather_during_forward, reshard
+from minirl.weights import bucket_layout, fingerprint, full_weight_buckets, gather_during_forward, reshard
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -340,7 +340,7 @@ class Trainer:
             nonlocal fp
             bucket = bucket if lora is None else merge_bucket(bucket, lora.scale)
             on_bucket(bucket)
-            fp = fp + bucket_fingerprint(bucket if names is None else [(n, t) for n, t in bucket if n in names])
+            fp = fp + fingerprint(t for n, t in bucket if names is None or n in names)
 
         ids = torch.tensor([probe_ids], device=self.device)
         was = self.model.training          # the probe runs without dropout, and eagerly: compiled

@@ -100,8 +100,8 @@ TRITON_ON = (9,)
 """CUDA compute capabilities (major) where default_attention picks Triton's attention kernel."""
 
 FULL_GRAPHS_ON = (9,)
-"""CUDA compute capabilities (major) whose default attention backend (FlashAttention 3 on Hopper)
-captures full CUDA graphs for mixed prefill and decode steps too (benchmarks/results/2026-12-02-b)."""
+"""CUDA compute capabilities (major) whose attention backends (FlashAttention 3, Triton's on Hopper)
+capture full CUDA graphs for mixed prefill and decode steps too (benchmarks/results/2026-12-02-b, -12-06-d)."""
 
 FULL_GRAPHS_HEAD_DIMS = (128,)
 """Head sizes at which those full graphs replay prefills exactly; at head_dim 64 they do not (or
@@ -221,16 +221,6 @@ def fingerprinted_names(llm: LLM) -> set[str] | None:
 
 def engine_dtype(llm: LLM) -> torch.dtype:
     return get_worker(llm).model_config.dtype
-
-
-def sleep(llm: LLM, level: int) -> None:
-    """Free the engine's GPU memory (level 1: weights to host; level 2: discard them too)."""
-    llm.sleep(level=level)
-
-
-def wake(llm: LLM, tags: list[str]) -> None:
-    """Wake parts of a sleeping engine: "weights", then (after loading) "kv_cache"."""
-    llm.wake_up(tags=tags)
 
 
 def is_sleeping(llm: LLM) -> bool:

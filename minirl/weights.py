@@ -13,16 +13,6 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
-
-
-def hf_name(name: str) -> str:
-    """Strip wrapper prefixes (torch.compile, checkpoint wrappers) from a parameter name."""
-    for p in _WRAPPER_PREFIXES:
-        name = name.replace(p, "")
-    return name
-
-
 def reshard(model: nn.Module) -> None:
     """Reshard every FSDP2 module (a no-grad forward leaves the root unsharded, without DTensors)."""
     for m in model.modules():
@@ -36,10 +26,10 @@ def _groups(model: nn.Module):
     prefix = {id(m): name for name, m in model.named_modules()}
     groups, inner = [], set()
     for unit in [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]:
-        params = [(hf_name(f"{prefix[id(unit)]}.{n}"), n, p) for n, p in unit.named_parameters()]
+        params = [(f"{prefix[id(unit)]}.{n}", n, p) for n, p in unit.named_parameters()]
         inner |= {id(p) for *_, p in params}
         groups.append((unit, params))
-    own = [(hf_name(n), n, p) for n, p in model.named_parameters() if id(p) not in inner]
+    own = [(n, n, p) for n, p in model.named_parameters() if id(p) not in inner]
     return groups + ([(model if isinstance(model, FSDPModule) else None, own)] if own else [])
 
 
@@ -124,10 +114,6 @@ def _content_sum(t: torch.Tensor) -> torch.Tensor:
     n = flat.numel() - flat.numel() % per_word
     tail = flat[n:].view(_BITS[flat.element_size()]).sum(dtype=torch.int64)
     return flat[:n].view(torch.int64).sum() + tail
-
-
-def bucket_fingerprint(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
-    return fingerprint(t for _, t in bucket)
 
 
 class SyncError(RuntimeError):
