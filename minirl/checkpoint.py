@@ -208,7 +208,8 @@ class Checkpointer:
         read_state(path). A `compat` entry (model, tokenizer, settings) unlike the saved one raises."""
         if path is None and (path := self.latest()) is None:
             raise CheckpointError(f"no complete checkpoint under {self.root}")
-        saved = json.loads((verify(path) / "state.json").read_text()).get("compat", {})
+        state = read_state(path)                              # every file checked against the manifest, once
+        saved = json.loads((Path(path) / "state.json").read_text()).get("compat", {})
         if diff := {k: (saved[k], v) for k, v in (compat or {}).items() if k in saved and saved[k] != v}:
             raise CheckpointError(f"checkpoint {path} does not fit this run: "
                                   + "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items()))
@@ -221,7 +222,7 @@ class Checkpointer:
         rng = Path(path) / f"rng_rank{_rank()}.json"
         if rng.exists():          # absent when resuming on more ranks than were saved
             _set_rng_state(json.loads(rng.read_text()))
-        return read_state(path)
+        return state
 
 
 def tokenizer_hash(model_dir: str) -> str | None:
