@@ -64,6 +64,11 @@ class EpisodeConfig:
     full scans of every live object come that much less often. None leaves the collector as it is."""
 
 
+def _is_async(fn) -> bool:
+    """An async function, or an object whose __call__ is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
 class ToolTimeout(TimeoutError):
     """An ep.call(...) ran past its timeout."""
 
@@ -170,7 +175,7 @@ class Episode:
         episode. A sync tool still running then is abandoned (runner.stats["abandoned_threads"]).
         info["tool_calls"], ["tool_s"] and ["tool_timeouts"] add up this episode's calls."""
         timeout = self.runner.config.tool_timeout_s if timeout_s is None else timeout_s
-        sync = not inspect.iscoroutinefunction(fn)
+        sync = not _is_async(fn)
         t0 = time.perf_counter()
         try:
             return await asyncio.wait_for(in_thread(fn, *args, **kwargs) if sync else fn(*args, **kwargs), timeout)
@@ -496,7 +501,7 @@ class EpisodeRunner:
         """fn(*args) off the engine loop: an async function awaited, a sync one in a worker thread;
         either bounded by config.reward_timeout_s (TimeoutError naming reward_fn)."""
         t = self.config.reward_timeout_s
-        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+        if _is_async(fn):
             try:
                 return await asyncio.wait_for(fn(*args), t)
             except asyncio.TimeoutError:

@@ -282,16 +282,22 @@ def test_a_cut_last_turn_ends_the_rollout_with_length(wm):
 
 def test_tool_timeout_error_and_waits_overlap(wm):
     """Episode 0's tool hangs past its 5 s timeout, episode 1's tool raises, the others wait 0.3 s
-    in a tool between turns: on_error="record" keeps every episode (errors named); the others run
-    all their turns while episode 0 waits, and their tool waits overlap."""
+    in a tool between turns (an object whose __call__ is async: awaited, not run in a thread):
+    on_error="record" keeps every episode (errors named); the others run all their turns while
+    episode 0 waits, and their tool waits overlap."""
     async def slow(): await asyncio.sleep(30)
+
+    class Pause:
+        async def __call__(self, s):
+            await asyncio.sleep(s)
+            return s
     def broken(): raise ValueError("the tool is broken")
     done, waiting, most = {}, set(), [0]
 
     async def wait(ep):
         waiting.add(ep.index)
         most[0] = max(most[0], len(waiting))
-        await ep.call(asyncio.sleep, 0.3)
+        assert await ep.call(Pause(), 0.3) == 0.3
         waiting.discard(ep.index)
 
     async def episode(ep):
