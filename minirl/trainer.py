@@ -372,11 +372,13 @@ class Trainer:
 
     def export_hf(self, out_dir) -> None:
         """Write the policy (with LoRA: the merged weights, under the base model's names) as a
-        Hugging Face directory on rank 0: config, tokenizer, fp32 safetensors. Collective."""
+        Hugging Face directory on rank 0: config, tokenizer, fp32 safetensors. Collective; only rank 0
+        copies the weights to its host."""
         from safetensors.torch import save_file
         from transformers import AutoConfig, AutoTokenizer
         sd: dict[str, torch.Tensor] = {}
-        self.gather(lambda b: sd.update((n, t.to("cpu", copy=True)) for n, t in b), dtype=torch.float32)
+        keep = self.rank.rank == 0
+        self.gather(lambda b: keep and sd.update((n, t.to("cpu", copy=True)) for n, t in b), dtype=torch.float32)
         if self.rank.rank == 0:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             save_file({n: t.contiguous() for n, t in sd.items()}, str(Path(out_dir) / "model.safetensors"),

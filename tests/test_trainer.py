@@ -314,6 +314,7 @@ grads = {{n: p.grad.full_tensor() for n, p in tr.model.named_parameters() if p.g
 tr.optim_step()
 weights = {{}}                                  # after the step, as the engine gets them (LoRA: merged)
 tr.gather(lambda bucket: weights.update((n, t.clone()) for n, t in bucket), dtype=torch.float32)
+tr.export_hf({out!r} + f"/hf_{{world}}")       # collective; rank 0 writes
 if rank == 0:
     torch.save((grads, weights), {out!r} + f"/grads_{{world}}.pt")
     json.dump(out, open({out!r} + f"/out_{{world}}.json", "w"))
@@ -342,6 +343,9 @@ def test_two_ranks_with_uneven_rollouts_give_the_one_rank_update(tiny_model, tmp
     assert w1.keys() == w2.keys() and not any("lora" in n for n in w1)
     for n in w1:
         torch.testing.assert_close(w1[n], w2[n], atol=1e-6, rtol=1e-5)
+    from safetensors.torch import load_file
+    exported = load_file(tmp_path / "hf_2" / "model.safetensors")     # the 2-rank export: the same weights
+    assert exported.keys() == w2.keys() and all(torch.equal(exported[n], w2[n]) for n in w2)
 
 
 def test_packed_attention_on_cpu_stays_within_each_rollout(tmp_path, monkeypatch):
