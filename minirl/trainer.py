@@ -16,6 +16,7 @@ import contextlib
 import functools
 import os
 import re
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -105,6 +106,7 @@ class Trainer:
         self.path = check_model_path(model)
         self.compute_dtype = precision(cfg.mixed_precision, device)
         self.rank = init_distributed(cfg.dist_timeout_s)
+        _OPEN.add(self)
         self.device = self.rank.device
         torch.manual_seed(cfg.seed)        # the same on every rank while loading: LoRA's initial A agrees
         if cfg.reference_offload and not cfg.reference:
@@ -398,8 +400,15 @@ class Trainer:
         return out
 
     def close(self) -> None:
-        if self.rank.owns_group and dist.is_initialized():
+        """Destroy the process group if this trainer created it and no other trainer of this process
+        is open (a notebook's second run uses it)."""
+        _OPEN.discard(self)
+        if self.rank.owns_group and dist.is_initialized() and not len(_OPEN):
             dist.destroy_process_group()
+
+
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+"""The Trainers of this process not closed yet."""
 
 
 def _allocate_state(optimizer: torch.optim.Optimizer) -> None:

@@ -13,6 +13,7 @@ import copy
 import logging
 import os
 import time
+import weakref
 from typing import Callable, Iterable
 
 import torch
@@ -119,6 +120,7 @@ def build_llm(model: str, **kwargs) -> ManagedLLM:
         kwargs = kwargs if mode is None else {**kwargs, "compilation_config": mode}
         kwargs = {**kwargs, **default_attention(kwargs, torch.cuda.get_device_capability())}
     llm = ManagedLLM(model=model, **kwargs)
+    _LIVE.add(llm)
     SampledTap.of(llm)                  # before anything (vc.recorded_steps) wraps the scheduler
     # every weight load resets the prefix cache: no INFO line each time (set after building the engine)
     logging.getLogger("vllm.v1.core.block_pool").setLevel(logging.WARNING)
@@ -244,11 +246,27 @@ def read_prompt_logprobs(output, token_ids: list[int]) -> list[float]:
     return [d[tok].logprob for d, tok in zip(output.prompt_logprobs[1:], token_ids[1:])]
 
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+"""The engines build_llm made in this process and shutdown has not stopped."""
+
+
 def shutdown(llm: LLM) -> None:
-    """Stop the in-process engine before torch.distributed goes away (vLLM's cleanup uses it)."""
+    """Stop the in-process engine before torch.distributed goes away (vLLM's cleanup uses it). vLLM's
+    engine core then tears down the process's distributed state (its groups and torch's default
+    one): skipped while another engine of this process runs, which needs them."""
+    _LIVE.discard(llm)
     core = getattr(llm.llm_engine, "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
+    if core is None or not hasattr(core, "shutdown"):
+        return
+    import vllm.v1.engine.core as engine_core
+    cleanup = getattr(engine_core, "cleanup_dist_env_and_memory", None)
+    if len(_LIVE) and cleanup is not None:
+        engine_core.cleanup_dist_env_and_memory = lambda *a, **k: None
+    try:
         core.shutdown()
+    finally:
+        if cleanup is not None:
+            engine_core.cleanup_dist_env_and_memory = cleanup
 
 
 # -- the engine's request loop (minirl.episodes): the same calls in 0.22 and 0.32

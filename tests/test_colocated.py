@@ -175,6 +175,20 @@ def test_engine_graph_mode_by_device_and_head_size(tiny_model, tmp_path):
     assert vc.head_dim(str(build_tiny_model(tmp_path / "m", hidden_size=256, num_heads=2))) == 128
 
 
+def test_closing_one_manager_leaves_another_working(tiny_model):
+    """Two WeightManagers in one process (a notebook comparing two runs): closing the first leaves
+    the second's engine and trainer working (vLLM's engine teardown also tore down the process's
+    distributed state, and the first trainer the process group: the second failed on its next step)."""
+    first = WeightManager(tiny_model, lr=1e-3, enforce_eager=True, max_model_len=64)
+    with WeightManager(tiny_model, lr=1e-3, enforce_eager=True, max_model_len=64) as second:
+        first.close()
+        assert _rollouts(second, n_prompts=2, group=2)
+        _step(second)
+        second.as_vllm()                                 # a verified sync of the changed weights
+        assert second.policy_version == 1 and second.last_probe_gap < 2e-3
+        assert _rollouts(second, n_prompts=2, group=2)
+
+
 def test_model_directory_without_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         WeightManager(str(tmp_path))
