@@ -115,10 +115,10 @@ def build_llm(model: str, **kwargs) -> ManagedLLM:
     if ON_CPU:   # else vLLM drops this process (and so its trainer) to one torch thread
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     else:
-        mode = default_compilation(kwargs, head_dim(model, kwargs.get("trust_remote_code", False)),
-                                   torch.cuda.get_device_capability())
-        kwargs = kwargs if mode is None else {**kwargs, "compilation_config": mode}
-        kwargs = {**kwargs, **default_attention(kwargs, torch.cuda.get_device_capability())}
+        capability = torch.cuda.get_device_capability()
+        mode = default_compilation(kwargs, head_dim(model, kwargs.get("trust_remote_code", False)), capability)
+        kwargs = {**kwargs, **({} if mode is None else {"compilation_config": mode}),
+                  **default_attention(kwargs, capability)}
     llm = ManagedLLM(model=model, **kwargs)
     _LIVE.add(llm)
     SampledTap.of(llm)                  # before anything (vc.recorded_steps) wraps the scheduler
@@ -260,13 +260,13 @@ def shutdown(llm: LLM) -> None:
         return
     import vllm.v1.engine.core as engine_core
     cleanup = getattr(engine_core, "cleanup_dist_env_and_memory", None)
-    if len(_LIVE) and cleanup is not None:
-        engine_core.cleanup_dist_env_and_memory = lambda *a, **k: None
+    if not _LIVE or cleanup is None:
+        return core.shutdown()
+    engine_core.cleanup_dist_env_and_memory = lambda *a, **k: None
     try:
         core.shutdown()
     finally:
-        if cleanup is not None:
-            engine_core.cleanup_dist_env_and_memory = cleanup
+        engine_core.cleanup_dist_env_and_memory = cleanup
 
 
 # -- the engine's request loop (minirl.episodes): the same calls in 0.22 and 0.32
