@@ -23,7 +23,11 @@ Reported per side: medians over the steps after --warmup of the step, generation
 training seconds; generated and trained tokens/s; the device's peak memory in use (sampled every
 50 ms through cudaMemGetInfo, both processes' engines included); trainer MFU = 6 * N * tokens
 trained (prompt + completion) / training seconds / peak, N the model's parameter count, peak
-989.4 TFLOP/s (H200 dense bf16). minirl's steps also record their generation's engine steps (count,
+989.4 TFLOP/s (H100 / H200 dense bf16). The floor beside them (`floor`): generation no faster than
+reading the bf16 weights once an engine step and every running sequence's KV cache once a step at the
+device's bandwidth (H100 3.35 TB/s, H200 4.8 TB/s; the KV reads counted from the rollouts' prompt and
+completion lengths), training no faster than 6 N x tokens at the peak; `python benchmarks/step.py
+--floor-of STEP.json` prints it for a JSON written before it was recorded. minirl's steps also record their generation's engine steps (count,
 ms a step, sequences at once), its wall, CPU and garbage-collector seconds (and full collections,
 objects frozen out of them), each training step's torch.compile graphs and seconds and allocator
 retries, and what the memory plan chose (sleep level, micro-batch tokens, recomputed layers of all).
@@ -54,6 +58,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 PEAK_FLOPS = 989.4e12
+BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}    # HBM bytes/s by a substring of the device's name
+
+
+def floor(n_params: int, kv_bytes: int, engine_steps: float, kv_tokens: float, trained_tokens: float,
+          device: str) -> dict | None:
+    """The step's floor on `device` (None where its bandwidth is unknown): generation reads the bf16
+    weights (2 N bytes) every engine step and `kv_tokens` tokens of KV cache (`kv_bytes` a token) in
+    all, at the device's bandwidth; training does 6 N flops a trained token at PEAK_FLOPS."""
+    bw = next((b for name, b in BANDWIDTH.items() if name in device), None)
+    if bw is None:
+        return None
+    gen = (2 * n_params * engine_steps + kv_bytes * kv_tokens) / bw
+    train = 6 * n_params * trained_tokens / PEAK_FLOPS
+    return {"generation_s": gen, "training_s": train, "step_s": gen + train, "bandwidth": bw}
+
+
+def kv_reads(prompt_len: int, completion_len: int) -> int:
+    """KV tokens one sequence's decoding reads: its t-th sampled token (t = 0..L-1) attends to the
+    prompt and the t tokens before it, so sum_t (P + t) = L P + L (L - 1) / 2."""
+    return completion_len * prompt_len + completion_len * (completion_len - 1) // 2
 
 
 class MemorySampler:
@@ -222,13 +246,14 @@ def _record_engine_steps(mod) -> list[dict]:
         finally:
             gc.callbacks.remove(collecting)
         tokens, now = [n for _, n, _ in steps if n], _allocator()
+        reads = sum(kv_reads(len(r.prompt_ids), len(r.completion_ids)) for batch in out for r in batch)
         calls.append({"engine_steps": len(steps), "engine_step_ms": 1e3 * sum(t for t, _, _ in steps) / max(len(steps), 1),
                       "engine_s": sum(t for t, _, _ in steps), "max_batch_tokens": max(tokens, default=0),
                       "prefill_steps": sum(bool(p) for _, _, p in steps), "rollout_wall_s": time.perf_counter() - wall,
                       "rollout_cpu_s": time.thread_time() - cpu, "gc_s": in_gc[0], "gc_full": in_gc[2],
                       "gc_frozen": gc.get_freeze_count(), "process_cpu_s": time.process_time() - every,
                       "loadavg_1m": os.getloadavg()[0], "alloc_retries": now[0] - retries,
-                      "device_allocs": now[1] - allocs})
+                      "device_allocs": now[1] - allocs, "kv_reads": reads})
         return out
     mod.run_episodes = run_episodes
     return calls
@@ -358,6 +383,28 @@ def summarize(side: dict, args, n_params: int) -> dict:
     return med
 
 
+def kv_bytes(config) -> int:
+    """Bytes of bf16 KV cache a token: K and V of every layer's KV heads."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2
+
+
+def add_floor(doc: dict, config: dict) -> None:
+    """doc["floor"] from minirl's medians (its engine steps and KV reads; for a JSON without them,
+    completions of equal length: every row of the README's table), and each side's share of it."""
+    m = doc["sides"].get("minirl", {}).get("median")
+    if m is None:
+        return
+    n = doc["workload"]["prompts"] * doc["workload"]["group_size"]
+    P, L = (m["trained_tokens"] - m["generated_tokens"]) / n, m["generated_tokens"] / n
+    doc["floor"] = f = floor(doc["n_params"], kv_bytes(config), m.get("engine_steps", L + 1),
+                             m.get("kv_reads", n * (L * P + L * (L - 1) / 2)), m["trained_tokens"], doc["device"])
+    for r in doc["sides"].values():
+        if f and "median" in r:
+            r["median"].update(generation_of_floor=f["generation_s"] / r["median"]["generate_s"],
+                               step_of_floor=f["step_s"] / r["median"]["step_s"])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-0.6b")
@@ -382,8 +429,17 @@ def main():
     p.add_argument("--profile", default=None, metavar="DIR", help="minirl: profile the last step into DIR")
     p.add_argument("--minirl-args", type=shlex.split, default=[], metavar="ARGS",
                    help="more launch/colocated.py flags, one string (e.g. --compilation-config '{...}')")
+    p.add_argument("--floor-of", metavar="JSON", help="print the floor of a step JSON written without it")
     p.add_argument("--side", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.floor_of:
+        from models import SHAPES
+        doc = json.loads(Path(args.floor_of).read_text())
+        add_floor(doc, SHAPES[doc["shape"]])
+        print(json.dumps({"floor": doc.get("floor"), **{side: {k: r["median"][k] for k in (
+            "step_s", "generate_s", "generation_of_floor", "step_of_floor") if k in r["median"]}
+            for side, r in doc["sides"].items() if "median" in r}}, indent=1))
+        return
     model = str(Path(args.models_dir) / args.shape)
     if args.side:                                  # one side, in this fresh process
         res = (run_minirl if args.side == "minirl" else run_trl)(args, model)
@@ -411,6 +467,7 @@ def main():
         if "steps" in r:
             r["median"] = summarize(r, args, n_params)
         doc["sides"][side] = r
+        add_floor(doc, AutoConfig.from_pretrained(model).to_dict())
         print(side, r.get("median", r.get("error")), flush=True)
         out.write_text(json.dumps(doc, indent=1))
     out.with_suffix(".md").write_text(markdown(doc))
@@ -432,6 +489,13 @@ def markdown(doc) -> str:
                     f"{m['other_s']:.2f} | "
                     f"{m['generated_tokens_per_s']:,.0f} | {m['trained_tokens_per_s']:,.0f} | "
                     f"{r['peak_memory_gib']:.1f} | {100 * m['mfu']:.1f}% |")
+    if doc.get("floor"):
+        f = doc["floor"]
+        rows.append(f"\nFloor on this device: generation {f['generation_s']:.2f} s + training {f['training_s']:.2f} s "
+                    f"= {f['step_s']:.2f} s; " + "; ".join(
+                        f"{side} at {100 * r['median']['generation_of_floor']:.0f}% of it in generation, "
+                        f"{100 * r['median']['step_of_floor']:.0f}% over the step"
+                        for side, r in doc["sides"].items() if "median" in r) + ".")
     if "minirl" in doc["sides"] and "trl" in doc["sides"] and "median" in doc["sides"]["trl"] \
             and "median" in doc["sides"]["minirl"]:
         ratio = doc["sides"]["trl"]["median"]["step_s"] / doc["sides"]["minirl"]["median"]["step_s"]

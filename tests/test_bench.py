@@ -5,11 +5,14 @@ ran, every verified sync agreed with the trainer, and the markdown shows each se
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import run_py
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_switch_benchmark_smoke(tmp_path):
@@ -73,7 +76,38 @@ def test_step_benchmark_smoke(tmp_path):
     assert all(s["probe_gap"] is not None and s["sync_sync_s"] > 0 and s["sync_verify_s"] > 0
                for s in side["steps"][1:])                                            # and every sync is checked
     assert len({s["generated_tokens"] for s in side["steps"]}) == 3                   # drawn anew each step
+    assert all(s["kv_reads"] > s["generated_tokens"] for s in side["steps"])          # prompt + earlier tokens
     assert "| minirl |" in out.with_suffix(".md").read_text()
+
+
+def test_step_floor_hand_worked():
+    """The floor by hand: 1e9 parameters, 10 engine steps, 1e6 KV tokens of 1,000 bytes on an H200:
+    (2e9 x 10 + 1e9) / 4.8e12 = 4.375 ms generation, 6e9 x 1e4 / 989.4e12 training; an unknown
+    device has none. A sequence of prompt 4 sampling 3 tokens reads 4 + 5 + 6 = 15 KV tokens."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import step
+    f = step.floor(int(1e9), 1000, 10, 1e6, 1e4, "NVIDIA H200")
+    assert f["generation_s"] == pytest.approx(4.375e-3) and f["training_s"] == pytest.approx(6e13 / 989.4e12)
+    assert f["step_s"] == pytest.approx(f["generation_s"] + f["training_s"])
+    assert step.floor(int(1e9), 1000, 10, 1e6, 1e4, "cpu") is None
+    assert step.kv_reads(4, 3) == 15 and step.kv_reads(4, 0) == 0 and step.kv_reads(1, 1) == 1
+    cfg = {"num_hidden_layers": 28, "num_key_value_heads": 8, "head_dim": 128}
+    assert step.kv_bytes(cfg) == 112 * 1024                                     # Qwen3-0.6B: 112 KiB a token
+
+
+def test_step_floor_of_a_committed_json():
+    """--floor-of on a committed H100 step (0.6B, 512 completions of 256 tokens after prompts of 4):
+    KV 512 x (256 x 4 + 256 x 255 / 2) tokens of 112 KiB and 257 reads of the bf16 weights at 3.35 TB/s."""
+    src = ROOT / "benchmarks/results/2026-12-06-e/step_qwen3-0.6b_256_minirl.json"
+    p = run_py(["benchmarks/step.py", "--floor-of", str(src)], timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out, doc = json.loads(p.stdout), json.loads(src.read_text())
+    n = doc["n_params"]
+    gen = (2 * n * 257 + 512 * (256 * 4 + 256 * 255 // 2) * 112 * 1024) / 3.35e12
+    assert out["floor"]["generation_s"] == pytest.approx(gen, rel=1e-6)
+    m = doc["sides"]["minirl"]["median"]
+    assert out["minirl"]["generation_of_floor"] == pytest.approx(gen / m["generate_s"], rel=1e-6)
+    assert 0 < out["minirl"]["step_of_floor"] < 1 and 0 < out["minirl"]["generation_of_floor"] < 1
 
 
 def test_decode_host_benchmark_smoke(tmp_path):
