@@ -106,7 +106,7 @@ class WeightPusher:
         from minirl.transport import BroadcastGroup, BucketMeta
         members = tuple(sorted(gens))
         t0 = time.perf_counter()
-        if members != self._members:    # (re)build: a generator joined, left or restarted
+        if self._group is None or members != self._members:    # (re)build: a generator joined, left or restarted
             self.close()
             host, prefix, world = ray.util.get_node_ip_address(), f"wsync-{uuid.uuid4().hex[:8]}", len(members) + 1
             store = listen(host, world, self.timeout)           # bound before anyone is told its port

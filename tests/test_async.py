@@ -327,6 +327,21 @@ def test_async_sync_is_verified(ray_local, tiny_model, changed, msg):
     ray.kill(q)
 
 
+def test_a_collective_push_before_any_generator_registered(ray_local, tiny_model):
+    """A resumed trainer may push before the server's generators registered: the broadcast reaches
+    nobody and the push succeeds (generators that register later join the next one's group)."""
+    from actors.queue import create_queue
+    from minirl.model import model_identity
+    name = "q-collective-empty"
+    q = create_queue(name, max_batches=4, model_id=model_identity(tiny_model), detached=False)
+    worker = TrainWorker(tiny_model, name, lr=1e-3, transport="collective", verify_sync=False)
+    try:
+        assert worker.sync_weights()["generators"] == 0
+    finally:
+        worker.close()
+        ray.kill(q)
+
+
 def _rollout_batches(worker):
     from minirl import Rollout, RolloutBatch
     return [RolloutBatch([Rollout(prompt_ids=[5, 6, 7], completion_ids=[8, 9], sampling_logprobs=[-1.0, -2.0],
