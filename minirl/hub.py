@@ -147,7 +147,10 @@ class RolloutHub:
 
     def restore(self, delivered: list, buffered: list) -> None:
         """Resume from a checkpoint: `delivered` uids are never issued again; `buffered`
-        [(PromptItem, RolloutBatch)] go back into the buffer as they were."""
+        [(PromptItem, RolloutBatch)] go back into the buffer as they were. Call it before the prompts are added."""
+        if early := [u for u in (*delivered, *(it.uid for it, _ in buffered)) if u in self._items]:
+            raise ValueError(f"restore: prompt uids {early[:5]} were added to the queue before restore (they would "
+                             "train again): restore the checkpoint first, then add the prompts with skip_known=True")
         self._delivered.update(dict.fromkeys(u for u in delivered if u not in self._delivered))
         for item, batch in buffered:
             if self._known(item.uid):

@@ -278,6 +278,20 @@ def test_rollback_on_a_fresh_queue_marks_trained_as_delivered():
         hub.rollback([0, 2], 5)                                 # 7 restored as trained, now unknown
 
 
+def test_restore_after_the_prompts_were_added_is_refused():
+    """restore() after add_prompts (submit, then restore) would issue the checkpoint's trained uids
+    again: refused, naming the order, and nothing changes."""
+    hub = RolloutHub(max_batches=4)
+    hub.add_prompts(prompts(range(4)))
+    assert uids(hub.take_prompts("a", 1)) == [0]
+    for trained, queued in (([0, 1], []), ([], [(prompts([2])[0], batch(2))])):
+        with pytest.raises(ValueError, match=r"added to the queue before restore.*restore the checkpoint first, "
+                                             r"then add the prompts with skip_known=True"):
+            hub.restore(trained, queued)
+    assert hub.stats()["delivered"] == 0 and hub.stats()["buffered"] == 0
+    invariant(hub, 4)
+
+
 # ----------------------------------------------------------------------------------------------
 # Exactly-once under random schedules
 
