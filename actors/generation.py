@@ -48,9 +48,10 @@ class GenerationActor:
         self._call(self.queue.register_worker, worker_id, ray.get_runtime_context().current_actor)
         self._bootstrap()            # and after: a push that did not see it registered published before this
 
-    def _call(self, method, *args):
-        """A queue call, made again if the queue's actor restarts meanwhile (placement.call)."""
-        return placement.call(method, *args, timeout_s=self.timeout,
+    def _call(self, method, *args, wait_s: float = 0.0):
+        """A queue call, made again if the queue's actor restarts meanwhile (placement.call); wait_s: how
+        long the call itself may wait in the queue (the queue's own timeout ends it first)."""
+        return placement.call(method, *args, timeout_s=wait_s + self.timeout,
                               what=f"generator {self.worker_id}: the rollout queue")
 
     def _bootstrap(self) -> bool:
@@ -94,7 +95,7 @@ class GenerationActor:
             if failed:                           # never retried: the queue's on_failure decides
                 self._call(self.queue.fail_prompts, self.worker_id, failed)
             if batches:
-                self._call(self.queue.put, self.worker_id, batches, self.timeout)
+                self._call(self.queue.put, self.worker_id, batches, self.timeout, wait_s=self.timeout)
             stats["prompts"] += len(batches) + len(failed)
             stats["tokens"] += sum(len(r.completion_ids) for b in batches for r in b)
         self.gen.serve(lease, deliver, target=max_prompts, stop=self._stop, join_s=self.timeout)

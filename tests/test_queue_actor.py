@@ -102,6 +102,31 @@ def test_put_timeout_when_full():
     ray.kill(q)
 
 
+class _OneGroup:
+    """A Generator stand-in for GenerationActor.run: its serve delivers one finished group."""
+    policy_version, stats = 0, {}
+
+    def serve(self, lease, deliver, **kw):
+        deliver([batch(1)], [])
+
+
+def test_a_generators_put_to_a_full_queue_fails_with_the_queues_reason():
+    """The queue's own TimeoutError (stayed full: is the trainer running?), not the generator's call
+    timing out at the same moment as if the queue did not answer."""
+    import threading
+    from actors.generation import GenerationActor
+    qn = name()
+    q = create_queue(qn, max_batches=1, detached=False)
+    get(q.add_prompts.remote([PromptItem(uid=i, prompt="x") for i in range(2)]))
+    get(q.take_prompts.remote("w", 2))
+    get(q.put.remote("w", [batch(0)]))
+    gen = object.__new__(GenerationActor.__ray_metadata__.modified_class)     # no engine: _OneGroup
+    gen.worker_id, gen.timeout, gen.queue, gen.gen, gen._stop = "w", 1.0, q, _OneGroup(), threading.Event()
+    with pytest.raises(TimeoutError, match=f"rollout queue {qn} stayed full for 1.0 s"):
+        gen.run(1)
+    ray.kill(q)
+
+
 def test_get_timeout_names_the_queue():
     qn = name()
     q = create_queue(qn, max_batches=4, detached=False)
