@@ -526,7 +526,9 @@ class EpisodeRunner:
                 except PromptTooLong:                      # the request fails: nothing to train on
                     self.stats["errors"] += 1
                     raise
-                except Exception as e:
+                except (Exception, asyncio.CancelledError) as e:
+                    if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                        raise                              # the runner stops this episode (group error, session end)
                     self.stats["errors"] += 1
                     what = (f"ran past episode_timeout_s={self.config.episode_timeout_s}" if deadline.expired()
                             else f"raised {type(e).__name__}: {e}")

@@ -328,6 +328,27 @@ def test_tool_timeout_error_and_waits_overlap(wm):
         EpisodeRunner(wm.as_vllm()).run(episode, ["1+1=", "2+1="])
 
 
+def test_an_episode_raising_cancelled_error_is_an_episode_error(wm):
+    """An episode whose own code raises CancelledError (awaiting a task it cancelled) is an episode
+    error like any other: recorded under on_error="record", naming the episode under "raise"; its
+    group is never dropped (run() returned None for it, and serve() never delivered it)."""
+    async def episode(ep):
+        await ep.generate(max_tokens=2)
+        if ep.index == 1:
+            task = asyncio.ensure_future(asyncio.sleep(30))
+            task.cancel()
+            await task
+        return 1.0
+
+    runner = EpisodeRunner(wm.as_vllm(), config=EpisodeConfig(on_error="record"))
+    batches = runner.run(episode, ["1+1=", "2+1="])
+    assert all(b is not None for b in batches), batches
+    assert [b[0].finish_reason for b in batches][1] == "error" and batches[1][0].reward == 0.0
+    assert "CancelledError" in batches[1][0].info["error"] and runner.stats["errors"] == 1
+    with pytest.raises(RuntimeError, match=r"episode 1 of prompt uid=1 \('2\+1='\) raised CancelledError"):
+        EpisodeRunner(wm.as_vllm()).run(episode, ["1+1=", "2+1="])
+
+
 def test_a_tool_that_never_returns_holds_nothing(wm):
     """Sync tools that never return (they wait on an event set only 30 s later) time out after 0.5 s:
     each episode ends with its ToolTimeout, the run returns at once (no thread joined), and every
