@@ -116,9 +116,9 @@ class Episode:
 
     async def generate(self, **sampling) -> Turn:
         """Sample one turn from the whole context (SamplingParams kwargs override the runner's but
-        logprobs/detokenize/n; max_tokens is cut to the room left). Raises PromptTooLong when the first
-        turn has no room, EpisodeEnd at the turn limit or with no room left for a later turn (the
-        runner ends the episode there with that finish reason)."""
+        logprobs/detokenize/n; max_tokens and min_tokens are cut to the room left). Raises PromptTooLong
+        when the first turn has no room, EpisodeEnd at the turn limit or with no room left for a later
+        turn (the runner ends the episode there with that finish reason)."""
         r = self.runner
         if len(self.turns) >= r.config.max_turns:
             raise EpisodeEnd("max_turns")
@@ -131,6 +131,8 @@ class Episode:
             raise EpisodeEnd("max_model_len")
         kw = {**r.sampling, **sampling, "logprobs": 0, "detokenize": False, "n": 1}   # what a Turn needs
         kw["max_tokens"] = min(kw.get("max_tokens") or room, room)
+        if (kw.get("min_tokens") or 0) > room:
+            kw["min_tokens"] = room                        # vLLM refuses min_tokens > max_tokens
         if self._seed is not None and "seed" not in sampling:
             kw["seed"] = self._seed + 7919 * len(self.turns)
         v0 = r.policy_version

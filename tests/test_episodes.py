@@ -408,6 +408,22 @@ def test_context_and_turn_limits_end_with_a_reason(wm):
     assert r.num_tokens <= 128 and len(eps[-1].token_ids) >= 128
 
 
+def test_min_tokens_is_cut_to_the_room_left_as_max_tokens_is(wm):
+    """sampling min_tokens=4 with 2 tokens of room left (max_model_len=128): the last turn samples those
+    2 and the episode then ends with "max_model_len", as without min_tokens; vLLM refused the turn
+    (min_tokens above the max_tokens cut to the room) and the episode was an error."""
+    async def episode(ep):
+        await ep.generate(max_tokens=4)
+        ep.append([4] * (126 - len(ep.token_ids)))
+        while True:
+            await ep.generate()
+
+    runner = EpisodeRunner(wm.as_vllm(), sampling={"min_tokens": 4})
+    r = runner.run(episode, ["1+1="])[0][0]
+    assert r.finish_reason == "max_model_len" and r.num_tokens == 128
+    assert r.info["turns"] == 2 and sum(r.loss_mask) == 6 and r.loss_mask[-2:] == [1, 1]
+
+
 @pytest.mark.slow
 def test_tool_environment_learns_and_noise_does_not(tmp_path):
     """launch/colocated.py --env lookup: the answer's digit is only in the tool's tokens, and the reward
