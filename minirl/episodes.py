@@ -69,6 +69,14 @@ def _is_async(fn) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
+def _check_no_stop(sampling: dict) -> None:
+    """ValueError for stop strings: turns are sampled as token ids, which vLLM cannot match them in."""
+    if sampling.get("stop"):
+        raise ValueError(f"sampling stop={sampling['stop']!r}: episodes sample token ids without detokenizing "
+                         "(detokenize=False), so vLLM cannot match stop strings: end turns with stop_token_ids "
+                         "(the strings' token ids) or check turn.text in the episode")
+
+
 class ToolTimeout(TimeoutError):
     """An ep.call(...) ran past its timeout."""
 
@@ -129,6 +137,7 @@ class Episode:
                                 "shorten the prompt or raise max_model_len")
         if room < 1:
             raise EpisodeEnd("max_model_len")
+        _check_no_stop(sampling)
         kw = {**r.sampling, **sampling, "logprobs": 0, "detokenize": False, "n": 1}   # what a Turn needs
         kw["max_tokens"] = min(kw.get("max_tokens") or room, room)
         if (kw.get("min_tokens") or 0) > room:
@@ -275,6 +284,7 @@ class EpisodeRunner:
         from minirl import vllm_compat as vc
         self.vc, self.llm, self.config = vc, llm, config
         self.sampling = {"temperature": 1.0, **(sampling or {}), "logprobs": 0, "detokenize": False, "n": 1}
+        _check_no_stop(self.sampling)
         self.tokenizer = tokenizer or llm.get_tokenizer()   # its chat template renders messages
         self.max_model_len = vc.max_model_len(llm)
         self.policy_version = 0        # set by the owner when it loads weights (between steps)

@@ -260,6 +260,22 @@ def test_requests_share_nothing_the_engine_changes(wm):
     assert sampling == {"max_tokens": 3, "stop_token_ids": [7], "temperature": 1.0}
 
 
+def test_stop_strings_are_refused_naming_stop_token_ids(wm):
+    """Turns are sampled as token ids (detokenize off), where vLLM cannot match stop strings: `stop` in
+    the runner's sampling or in one turn's is refused naming stop_token_ids. Before, every turn failed
+    with vLLM's "Set detokenize=True to use stop", which the runner overrides."""
+    with pytest.raises(ValueError, match=r"sampling stop=\['\\n'\]: .*detokenize.*stop_token_ids"):
+        EpisodeRunner(wm.as_vllm(), sampling={"stop": ["\n"]})
+
+    async def episode(ep):
+        await ep.generate(max_tokens=2, stop=["="])
+        return 1.0
+    with pytest.raises(RuntimeError, match=r"episode 0 .* raised ValueError: .*stop=\['='\].*stop_token_ids"):
+        EpisodeRunner(wm.as_vllm()).run(episode, ["1+1="])
+    assert len(EpisodeRunner(wm.as_vllm(), sampling={"stop": None, "max_tokens": 2}).run(
+        single_turn(lambda p, c: 1.0), ["1+1="])[0]) == 1
+
+
 def test_a_cut_last_turn_ends_the_rollout_with_length(wm):
     """A returned episode ends with its last turn's vLLM finish reason: one cut by max_tokens is
     "length" (what over-long filtering and len/truncated look for), one that sampled EOS is "stop"."""
