@@ -77,6 +77,13 @@ def _check_no_stop(sampling: dict) -> None:
                          "(the strings' token ids) or check turn.text in the episode")
 
 
+def check_group_size(group_size) -> None:
+    """ValueError unless group_size is an int >= 1 (episodes per prompt)."""
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r}: episodes per prompt, an int >= 1 (GRPO compares "
+                         "completions within a group: 2 or more, e.g. 8)")
+
+
 class ToolTimeout(TimeoutError):
     """An ep.call(...) ran past its timeout."""
 
@@ -440,6 +447,7 @@ class EpisodeRunner:
         """Start group_size episodes of one prompt in the running session (from feed(), in its thread);
         done(RolloutBatch, or the first episode error of the group) once all of them ended.
         Episode g samples with seed + g (None: unseeded) and is named by index + g."""
+        check_group_size(group_size)
         ids = self.prompt_ids(prompt)
         eps = [Episode(self, prompt, metadata, uid, index + g, ids, None if seed is None else seed + g)
                for g in range(group_size)]

@@ -30,7 +30,7 @@ import torch
 
 from minirl import vllm_compat as vc
 from minirl.data import RolloutBatch
-from minirl.episodes import EpisodeConfig, EpisodeRunner, single_turn
+from minirl.episodes import EpisodeConfig, EpisodeRunner, check_group_size, single_turn
 
 
 class Generator:
@@ -45,6 +45,7 @@ class Generator:
         if reward_fn is None and episode is None:
             raise ValueError("Generator needs reward_fn (one-turn episodes) or episode (an async episode "
                              "function that returns the reward; then reward_fn is not used)")
+        check_group_size(group_size)
         self.model_id, self.group_size = model, group_size
         self.episode = episode or single_turn(reward_fn)
         cpu = {"dtype": "float32"} if vc.ON_CPU else {}   # on CPU fp32 as the trainer, not vLLM's bf16

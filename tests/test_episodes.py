@@ -276,6 +276,17 @@ def test_stop_strings_are_refused_naming_stop_token_ids(wm):
         single_turn(lambda p, c: 1.0), ["1+1="])[0]) == 1
 
 
+@pytest.mark.parametrize("group_size", [0, -1, 2.0])
+def test_a_group_size_below_one_is_refused(wm, group_size):
+    """group_size 0 or less (or not an int) is a ValueError naming it, from the runner and from Generator
+    before it loads a model; before, the runner failed with an IndexError inside its session."""
+    with pytest.raises(ValueError, match=rf"group_size={group_size!r}: .*an int >= 1"):
+        EpisodeRunner(wm.as_vllm()).run(single_turn(lambda p, c: 1.0), ["1+1="], group_size=group_size)
+    from minirl.generator import Generator
+    with pytest.raises(ValueError, match="group_size"):
+        Generator("/nonexistent-model", reward_fn=lambda p, c: 1.0, group_size=group_size)
+
+
 def test_a_cut_last_turn_ends_the_rollout_with_length(wm):
     """A returned episode ends with its last turn's vLLM finish reason: one cut by max_tokens is
     "length" (what over-long filtering and len/truncated look for), one that sampled EOS is "stop"."""
