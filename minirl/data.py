@@ -126,13 +126,13 @@ class RolloutBatch:
 
 
 # -------------------------------------------------------------------------------- from vLLM outputs
-def _check_reward(value, prompt, completion) -> float:
+def _check_reward(value, prompt, completion, source: str = "reward_fn") -> float:
     value = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"reward_fn returned {value!r} ({type(value).__name__}) for prompt {prompt!r}, "
+        raise TypeError(f"{source} returned {value!r} ({type(value).__name__}) for prompt {prompt!r}, "
                         f"completion {completion!r}: it must return a finite float")
     if not math.isfinite(float(value)):
-        raise ValueError(f"reward_fn returned {value} for prompt {prompt!r}, completion "
+        raise ValueError(f"{source} returned {value} for prompt {prompt!r}, completion "
                          f"{completion!r}: rewards must be finite (map failures to a number, e.g. 0.0)")
     return float(value)
 

@@ -258,6 +258,7 @@ def single_turn(reward_fn: Callable) -> EpisodeFn:
         turn = await ep.generate()
         args = (ep.prompt, turn.text) if ep.metadata is None else (ep.prompt, turn.text, ep.metadata)
         return await ep.runner.reward(reward_fn, *args)
+    episode.reward_fn = reward_fn                       # what its rewards' errors name
     return episode
 
 
@@ -535,10 +536,13 @@ class EpisodeRunner:
         try:
             async with limit:
                 t0 = time.perf_counter()
-                deadline = asyncio.timeout(self.config.episode_timeout_s)
+                deadline, work = asyncio.timeout(self.config.episode_timeout_s), episode(ep)
+                if not inspect.isawaitable(work):            # a plain def: every episode would be an error
+                    raise TypeError(f"the episode function returned {type(work).__name__}, not a coroutine: "
+                                    "define it with `async def episode(ep)` (it awaits ep.generate)")
                 try:
                     async with deadline:
-                        reward = await episode(ep)
+                        reward = await work
                         reason = (ep.turns[-1].finish_reason if ep.turns else None) or "stop"
                 except EpisodeEnd as end:
                     reward, reason = self.config.limit_reward, end.reason
@@ -561,7 +565,8 @@ class EpisodeRunner:
                 if reward is None and ep.turn_rewards:
                     reward = sum(ep.turn_rewards)
                 try:
-                    reward = _check_reward(reward, ep.prompt, ep.text)
+                    reward = _check_reward(reward, ep.prompt, ep.text,
+                                           "reward_fn" if hasattr(episode, "reward_fn") else "the episode function")
                 except (TypeError, ValueError) as e:
                     raise type(e)(f"{ep.name}: {e}") from None
                 return ep.to_rollout(reward, reason, device)

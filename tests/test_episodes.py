@@ -276,6 +276,28 @@ def test_stop_strings_are_refused_naming_stop_token_ids(wm):
         single_turn(lambda p, c: 1.0), ["1+1="])[0]) == 1
 
 
+def test_a_plain_def_episode_is_refused_naming_async_def(wm):
+    """An episode function defined with plain def returns its value instead of a coroutine: refused
+    with a TypeError naming `async def`, whatever on_error says (before, under "record" every episode
+    was quietly an error with reward 0: "object float can't be used in 'await' expression")."""
+    def episode(ep):
+        return 1.0
+    runner = EpisodeRunner(wm.as_vllm(), config=EpisodeConfig(on_error="record"))
+    with pytest.raises(TypeError, match=r"returned float, not a coroutine: define it with `async def"):
+        runner.run(episode, ["1+1="], group_size=2)
+
+
+def test_a_bad_reward_names_its_source(wm):
+    """A non-float reward is a TypeError naming where it came from: reward_fn for single_turn's
+    episodes, the episode function for one's own (before, both said reward_fn)."""
+    async def episode(ep):
+        await ep.generate(max_tokens=1)
+    with pytest.raises(TypeError, match=r"episode 0 .*: the episode function returned None"):
+        EpisodeRunner(wm.as_vllm()).run(episode, ["1+1="])
+    with pytest.raises(TypeError, match=r"episode 0 .*: reward_fn returned None"):
+        EpisodeRunner(wm.as_vllm(), sampling={"max_tokens": 1}).run(single_turn(lambda p, c: None), ["1+1="])
+
+
 @pytest.mark.parametrize("group_size", [0, -1, 2.0])
 def test_a_group_size_below_one_is_refused(wm, group_size):
     """group_size 0 or less (or not an int) is a ValueError naming it, from the runner and from Generator
