@@ -293,6 +293,10 @@ class EpisodeRunner:
         self.vc, self.llm, self.config = vc, llm, config
         self.sampling = {"temperature": 1.0, **(sampling or {}), "logprobs": 0, "detokenize": False, "n": 1}
         _check_no_stop(self.sampling)
+        if self.sampling.get("seed") is not None:
+            raise ValueError(f"sampling seed={self.sampling['seed']!r}: one seed for every episode samples a group's "
+                             "completions alike (zero advantages): pass run(seed=...) (Generator: seed=), which "
+                             "seeds each episode apart, or ep.generate(seed=...) for one turn")
         self.tokenizer = tokenizer or llm.get_tokenizer()   # its chat template renders messages
         self.max_model_len = vc.max_model_len(llm)
         self.policy_version = 0        # set by the owner when it loads weights (between steps)

@@ -263,9 +263,12 @@ def test_requests_share_nothing_the_engine_changes(wm):
 def test_stop_strings_are_refused_naming_stop_token_ids(wm):
     """Turns are sampled as token ids (detokenize off), where vLLM cannot match stop strings: `stop` in
     the runner's sampling or in one turn's is refused naming stop_token_ids. Before, every turn failed
-    with vLLM's "Set detokenize=True to use stop", which the runner overrides."""
+    with vLLM's "Set detokenize=True to use stop", which the runner overrides. A seed in the runner's
+    sampling is refused too: every episode of a group would sample the same completion."""
     with pytest.raises(ValueError, match=r"sampling stop=\['\\n'\]: .*detokenize.*stop_token_ids"):
         EpisodeRunner(wm.as_vllm(), sampling={"stop": ["\n"]})
+    with pytest.raises(ValueError, match=r"sampling seed=3: .*alike .*run\(seed=\.\.\.\)"):
+        EpisodeRunner(wm.as_vllm(), sampling={"seed": 3})          # a group of identical completions
 
     async def episode(ep):
         await ep.generate(max_tokens=2, stop=["="])
