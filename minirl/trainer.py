@@ -390,11 +390,15 @@ class Trainer:
             AutoTokenizer.from_pretrained(self.path).save_pretrained(out_dir)
 
     def load_checkpoint(self, ckpt, path=None) -> dict:
-        """Restore model, optimizer, RNG and policy version (the latest checkpoint by default).
-        Raises CheckpointError if it was made with another model, tokenizer or precision."""
+        """Restore model, AdamW's state (its lr and settings stay this config's), RNG and policy version
+        (the latest checkpoint by default). Raises CheckpointError if it was made with another model,
+        tokenizer or precision."""
         self._optimizer_state_here()
         out = ckpt.load(self.model, self.optimizer, path=path, compat=self.compat())
         self._state_host = None          # loading may replace the state's tensors: new host buffers
+        cfg = self.config                # AdamW's settings are this config's, not the saved run's
+        for g in self.optimizer.param_groups:
+            g.update(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
         self.policy_version, self.stepped = out["state"]["policy_version"], False
         self.optimizer.zero_grad(set_to_none=True)
         return out

@@ -200,6 +200,28 @@ def test_checkpoints_with_adamw_state_on_the_host(tiny_model, tmp_path):
     assert _same_weights(a, b)
 
 
+def test_a_resumed_trainer_steps_at_its_own_learning_rate(tiny_model, tmp_path):
+    """A checkpoint brings back AdamW's moments and step counts, while the learning rate is the
+    resuming trainer's (launch --resume --lr): AdamW's update lr * m_hat / (sqrt(v_hat) + eps) is
+    linear in lr (no weight decay), so from the same weights, moments and gradients a trainer
+    resumed at lr 1e-3 moves every weight a tenth of what the saving one (lr 1e-2) does."""
+    from minirl.checkpoint import Checkpointer
+    from minirl.trainer import Trainer, TrainerConfig
+    a = Trainer(tiny_model, TrainerConfig(lr=1e-2, max_grad_norm=None))
+    b = Trainer(tiny_model, TrainerConfig(lr=1e-3, max_grad_norm=None))
+    g = torch.Generator().manual_seed(2)
+    _step_both(a, b, g)
+    ckpt = Checkpointer(tmp_path / "ck")
+    a.save_checkpoint(ckpt, 1)
+    b.load_checkpoint(ckpt)
+    assert _same_weights(a, b) and all(float(st["step"]) == 1 for st in b.optimizer.state.values())
+    assert [grp["lr"] for grp in b.optimizer.param_groups] == [1e-3]
+    before = [p.full_tensor().clone() for p in a.model.parameters()]
+    _step_both(a, b, g)
+    for w, p, q in zip(before, a.model.parameters(), b.model.parameters()):
+        torch.testing.assert_close(q.full_tensor() - w, (p.full_tensor() - w) / 10, rtol=1e-3, atol=1e-7)
+
+
 def test_non_finite_gradient_is_refused(trainer):
     rs = _rollouts(2)
     rs[0].advantage = float("nan")
