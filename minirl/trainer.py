@@ -99,6 +99,9 @@ class Trainer:
             16384 if device.type == "cuda" else 4096)
         if self.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        if cfg.max_grad_norm is not None and not cfg.max_grad_norm > 0:     # < 0 flipped every gradient
+            raise ValueError(f"max_grad_norm must be > 0 (the largest global gradient norm) or None (no "
+                             f"clipping), got {cfg.max_grad_norm}")
         budget = cfg.activation_memory_budget
         if budget is not None and not 0 < budget <= 1:
             raise ValueError(f"activation_memory_budget must be in (0, 1] (1: what torch.compile saves by "

@@ -20,6 +20,7 @@ from minirl.core import (aggregate, clipped_policy_loss, compute_advantages, get
                          token_logprobs, truncated_importance_weights)
 from minirl.data import (Rollout, RolloutBatch, collate, load_rollouts, pack, parse_vllm_outputs,
                          save_rollouts, split_by_tokens)
+from minirl.trainer import Trainer, TrainerConfig
 from minirl.weights import SyncError, check_sync, check_tolerance, probe_gap
 
 pytestmark = pytest.mark.timeout(30)
@@ -129,6 +130,10 @@ SYNC = [
      "differ by inf"),
     ("sync-stuck", lambda: check_sync(0.0, True, tolerance=None, engine_dtype=torch.float32, where="vLLM",
                                       version=3), SyncError, "changed nothing"),
+    ("trainer-max-grad-norm-negative", lambda: Trainer("/nonexistent/model", TrainerConfig(max_grad_norm=-1.0)),
+     ValueError, "max_grad_norm must be > 0"),           # refused before the model is looked for
+    ("trainer-max-grad-norm-0", lambda: Trainer("/nonexistent/model", TrainerConfig(max_grad_norm=0.0)),
+     ValueError, "max_grad_norm must be > 0"),
     ("checkpointer-keep-0", lambda: Checkpointer("/tmp/none", keep=0), ValueError, "keep must be >= 1"),
     ("checkpoint-step-float", lambda: Checkpointer("/tmp/none").save(1.5, None, None), ValueError,
      "step must be an int >= 0"),
