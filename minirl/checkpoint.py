@@ -119,6 +119,11 @@ def verify(path: str | os.PathLike) -> Path:
     try:
         want = json.loads((path / "MANIFEST.json").read_text())
     except FileNotFoundError:
+        if not path.is_dir():
+            raise CheckpointError(f"no checkpoint at {path}: no such directory") from None
+        if held := sorted(p.name for p in path.glob("step_*") if p.is_dir()):
+            raise CheckpointError(f"{path} holds checkpoints ({', '.join(held[-3:])}), it is not one: pass one "
+                                  "of them, or path=None for the latest") from None
         raise CheckpointError(f"checkpoint {path} is incomplete (no MANIFEST.json): it was interrupted "
                               "while being written; delete it, or resume from an earlier one") from None
     except json.JSONDecodeError as e:

@@ -183,6 +183,10 @@ def test_checkpoint_misuse(tmp_path):
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         ckpt.load(model, opt)
     path = ckpt.save(1, model, opt, state={"x": 1})
+    with pytest.raises(CheckpointError, match="no checkpoint at .*step_1: no such directory"):
+        ckpt.load(model, opt, path=tmp_path / "ck" / "step_1")             # a mistyped step
+    with pytest.raises(CheckpointError, match="holds checkpoints .*step_00000001.* it is not one"):
+        ckpt.load(model, opt, path=tmp_path / "ck")                         # the root, not a checkpoint
     with pytest.raises(CheckpointError, match="already exists"):
         ckpt.save(1, model, opt)
     with pytest.raises(CheckpointError, match="cannot checkpoint these objects"):
