@@ -43,7 +43,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def parse_args(doc: str, run_dir: str, argv=None, *, async_loop: bool = False):
-    """The command line of both loops; flags marked (co-located) or (async) matter to one only.
+    """The command line of both loops; flags marked (co-located) or (async) matter to one only (the other refuses them).
     Nonsense values (zero steps, a negative rate, ...) stop here, naming the flag and its range.
     With --resume, flags not given take the run's saved values (resume_settings)."""
     p = Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -134,12 +134,14 @@ def parse_args(doc: str, run_dir: str, argv=None, *, async_loop: bool = False):
     add("--gen-resources", default=None, type=json.loads,
         help='(async) one generator\'s bundle, e.g. \'{"CPU": 1, "GPU": 1, "gen_pool": 1}\'')
     args = p.parse_args(argv)
+    defaults = {a.dest: a.default for a in p._actions}      # before --resume suppresses them
     if args.resume:
         for action in p._actions:                # parsed again without defaults: the flags on the line alone
             action.default = argparse.SUPPRESS
         if problem := resume_settings(args, given=vars(p.parse_args(argv))):
             p.error(problem)
-    if problem := check_args(args) or (async_loop and async_problem(args)):
+    if problem := (check_args(args) or other_loop_problem(args, defaults, async_loop)
+                   or (async_loop and async_problem(args))):
         p.error(problem)
     return args
 
@@ -180,9 +182,22 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+COLOCATED_ONLY = ("dynamic_sampling", "refill_rounds", "no_sync", "sleep_level", "kv_cache_gib", "offload_optimizer",
+                  "ray")
+ASYNC_ONLY = ("role", "queue", "generators", "max_staleness", "transport", "gen_resources")
+"""Flags marked (co-located) or (async) in --help: the other loop would ignore them (or, --ray, fail late)."""
+
+
+def other_loop_problem(args, defaults: dict, async_loop: bool) -> str | None:
+    """A flag of the other loop given a value of its own (not its default)."""
+    for name in COLOCATED_ONLY if async_loop else ASYNC_ONLY:
+        if getattr(args, name) != defaults[name]:
+            return (f"{_flag(name)} is co-located only (launch/colocated.py)" if async_loop else
+                    f"{_flag(name)} is async only (launch/async.py)")
+    return None
+
+
 def async_problem(args) -> str | None:
-    if args.dynamic_sampling:
-        return "--dynamic-sampling is co-located only (launch/colocated.py)"
     if args.eval_every and args.role != "both":
         return "--eval-every needs both roles in one job (the trainer evaluates on the server's generators)"
     return None

@@ -56,6 +56,20 @@ def test_nonsense_values_fail_at_parse_time(argv, message, capsys):
     assert message in _error(argv, capsys)
 
 
+def test_a_flag_of_the_other_loop_is_refused(capsys):
+    """(co-located) and (async) flags given to the other loop: refused, not ignored (--ray in the async
+    loop started every rank's own server on one queue and failed late)."""
+    for argv, async_loop, message in [(["--role", "server"], False, "--role is async only (launch/async.py)"),
+                                      (["--generators", "4"], False, "--generators is async only (launch/async.py)"),
+                                      (["--ray", "2"], True, "--ray is co-located only (launch/colocated.py)"),
+                                      (["--no-sync"], True, "--no-sync is co-located only (launch/colocated.py)")]:
+        with pytest.raises(SystemExit) as e:
+            common.parse_args("doc", "runs/x", argv, async_loop=async_loop)
+        assert e.value.code == 2 and capsys.readouterr().err.strip() == f"error: {message}"
+    assert common.parse_args("doc", "runs/x", ["--role", "both", "--generators", "1"]).generators == 1
+    assert common.parse_args("doc", "runs/x", ["--generators", "4"], async_loop=True).generators == 4
+
+
 def test_defaults_and_good_values_parse():
     args = common.parse_args("doc", "runs/x", [])
     assert (args.steps, args.prompts, args.group_size, args.task, args.eval_every) == (60, 32, 8, "succ", 0)
