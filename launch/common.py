@@ -131,7 +131,7 @@ def parse_args(doc: str, run_dir: str, argv=None, *, async_loop: bool = False):
     add("--off-policy", default=None, choices=["none", "tis", "mis"],
         help="correct off-policy tokens (decoupled PPO: importance weight trainer / sampler, truncated "
              "(tis) or masked (mis)); default: tis for async, none co-located")
-    add("--gen-resources", default=None, type=json.loads,
+    add("--gen-resources", default=None, type=json_object, metavar="JSON",
         help='(async) one generator\'s bundle, e.g. \'{"CPU": 1, "GPU": 1, "gen_pool": 1}\'')
     args = p.parse_args(argv)
     defaults = {a.dest: a.default for a in p._actions}      # before --resume suppresses them
@@ -251,9 +251,9 @@ def json_object(text: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e}): give an object such as '{{\"mode\": 0}}'") from None
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): give an object such as '{{\"key\": 1}}'") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is JSON but not an object: give one such as '{{\"mode\": 0}}'")
+        raise argparse.ArgumentTypeError(f"{text!r} is JSON but not an object: give one such as '{{\"key\": 1}}'")
     return value
 
 

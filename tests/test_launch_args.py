@@ -51,6 +51,8 @@ def _error(argv, capsys) -> str:
     (["--compilation-config", "mode=0"], "argument --compilation-config: not JSON"),
     (["--compilation-config", "[0]"], "'[0]' is JSON but not an object"),
     (["--engine-kwargs", "attention_backend=TRITON_ATTN"], "argument --engine-kwargs: not JSON"),
+    (["--gen-resources", "{CPU: 1}"], "argument --gen-resources: not JSON"),
+    (["--gen-resources", '["CPU"]'], "argument --gen-resources: '[\"CPU\"]' is JSON but not an object"),
 ])
 def test_nonsense_values_fail_at_parse_time(argv, message, capsys):
     assert message in _error(argv, capsys)
