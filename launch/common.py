@@ -13,6 +13,7 @@ torch.backends module ("cannot pickle 'GenericModule'").
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -30,6 +31,8 @@ TASK_NAMES = ("copy", "succ", "add", "arith", "gsm8k", "math", "code")
 a caller that imported minirl.recipes.tasks (and added a task) gets its names (task_names)."""
 ENV_NAMES = ("lookup", "lookup-noise", "feedback", "feedback-noise")
 """minirl.recipes.envs.ENVS, likewise."""
+BACKEND_NAMES = ("tensorboard", "wandb", "mlflow")
+"""minirl.recipes.tracking.BACKENDS, likewise."""
 
 
 def task_names() -> tuple:
@@ -214,6 +217,12 @@ def check_args(args) -> str | None:
                           ("activation_memory_budget", lambda v: v is None or 0 < v <= 1, "in (0, 1]")):
         if not ok(getattr(args, name)):
             return f"{_flag(name)} must be {rng}, got {getattr(args, name)}"
+    backends = [b for b in args.backends.split(",") if b]
+    if bad := [b for b in backends if b not in BACKEND_NAMES]:
+        return f"--backends: unknown {','.join(bad)}; a comma list of {','.join(BACKEND_NAMES)} ('' for none)"
+    if missing := [b for b in backends if importlib.util.find_spec(b) is None]:
+        return (f"--backends {','.join(missing)} needs its package: pip install {' '.join(missing)} "
+                "(or leave it out of --backends; metrics.jsonl is always written)")
     rules = ((args.eval_k > args.eval_samples, f"--eval-k {args.eval_k} must be <= --eval-samples {args.eval_samples}"),
              (args.overlong_cache > args.max_tokens,
               f"--overlong-cache must be in [0, --max-tokens={args.max_tokens}], got {args.overlong_cache}"),

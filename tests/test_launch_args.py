@@ -48,6 +48,7 @@ def _error(argv, capsys) -> str:
     (["--max-tokens", "8", "--overlong-cache", "9"], "--overlong-cache must be in [0, --max-tokens=8], got 9"),
     (["--max-tokens", "256"], "--max-tokens 256 must be < --max-model-len 256 (the prompt needs room)"),
     (["--task", "gsm9k"], "argument --task: invalid choice: 'gsm9k'"),
+    (["--backends", "tensorbord"], "--backends: unknown tensorbord; a comma list of tensorboard,wandb,mlflow"),
     (["--compilation-config", "mode=0"], "argument --compilation-config: not JSON"),
     (["--compilation-config", "[0]"], "'[0]' is JSON but not an object"),
     (["--engine-kwargs", "attention_backend=TRITON_ATTN"], "argument --engine-kwargs: not JSON"),
@@ -70,6 +71,16 @@ def test_a_flag_of_the_other_loop_is_refused(capsys):
         assert e.value.code == 2 and capsys.readouterr().err.strip() == f"error: {message}"
     assert common.parse_args("doc", "runs/x", ["--role", "both", "--generators", "1"]).generators == 1
     assert common.parse_args("doc", "runs/x", ["--generators", "4"], async_loop=True).generators == 4
+
+
+def test_a_backend_without_its_package_is_refused(monkeypatch, capsys):
+    """--backends wandb without wandb installed: refused at parse time, not by the Tracker after the model loaded."""
+    real = common.importlib.util.find_spec
+    monkeypatch.setattr(common.importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name))
+    message = _error(["--backends", "tensorboard,wandb"], capsys)
+    assert message.startswith("error: --backends wandb needs its package: pip install wandb")
+    assert common.parse_args("doc", "runs/x", ["--backends", "tensorboard"]).backends == "tensorboard"
+    assert common.parse_args("doc", "runs/x", ["--backends", ""]).backends == ""
 
 
 def test_defaults_and_good_values_parse():
@@ -107,9 +118,11 @@ def test_cluster_dashboard_is_loopback_only():
 def test_task_and_env_names_are_minirls():
     """The launcher names the tasks and environments itself (so --help imports nothing heavy): the same."""
     from minirl.recipes.envs import ENVS
+    from minirl.recipes.tracking import BACKENDS
     from minirl.recipes.tasks import DATA_TASKS, GENERATED, TASKS
     assert set(common.TASK_NAMES) == {*TASKS, *GENERATED, *DATA_TASKS}
     assert set(common.ENV_NAMES) == set(ENVS)
+    assert common.BACKEND_NAMES == BACKENDS
 
 
 def test_resume_keeps_the_runs_settings(tmp_path, capsys):
