@@ -228,6 +228,11 @@ def check_args(args) -> str | None:
               f"--overlong-cache must be in [0, --max-tokens={args.max_tokens}], got {args.overlong_cache}"),
              (args.activation_checkpointing is not True and (args.activation_checkpointing or 0) < 0,
               f"--activation-checkpointing takes a number of layers >= 0, got {args.activation_checkpointing}"),
+             (args.env and (args.task != "succ" or args.data),
+              f"--env {args.env} makes its own prompts and rewards: drop --task / --data (or --env)"),
+             (args.env and args.eval_every > 0,
+              f"--eval-every evaluates one turn of --task's held-out rows, not --env {args.env}'s episodes: "
+              "drop --eval-every (or --env)"),
              (args.eval_every > 0 and args.eval_size == 0, "--eval-every needs held-out rows: set --eval-size N"),
              (args.max_tokens >= args.max_model_len,
               f"--max-tokens {args.max_tokens} must be < --max-model-len {args.max_model_len} (the prompt needs room)"))
