@@ -124,7 +124,7 @@ def parse_args(doc: str, run_dir: str, argv=None, *, async_loop: bool = False):
     add("--kv-cache-gib", type=float, default=None, help="(co-located) default: planned")
     add("--offload-optimizer", default="auto", choices=["auto", "on", "off"],
         help="(co-located, CUDA) AdamW's state on the host while generating; auto: when the KV cache needs it")
-    add("--gpu-memory-utilization", type=float, default=None, help="(co-located) vLLM's own, not the plan")
+    add("--gpu-memory-utilization", type=float, default=None, help="vLLM's own, not the plan")
     add("--ray", type=int, default=0, metavar="N", help="(co-located) run on N Ray actors (SPMD)")
     add("--role", default="both", choices=["both", "server", "trainer"], help="(async) this job's side")
     add("--queue", default="minirl-rollouts", help="(async) name of the rollout queue")
@@ -228,6 +228,11 @@ def check_args(args) -> str | None:
               f"--overlong-cache must be in [0, --max-tokens={args.max_tokens}], got {args.overlong_cache}"),
              (args.activation_checkpointing is not True and (args.activation_checkpointing or 0) < 0,
               f"--activation-checkpointing takes a number of layers >= 0, got {args.activation_checkpointing}"),
+             (not args.lora_rank and (args.lora_alpha is not None or args.lora_also_train),
+              "--lora-alpha / --lora-also-train shape LoRA adapters: give --lora-rank R (or drop them)"),
+             (not (args.reference or args.kl_coef > 0) and (args.kl_estimator != "k3" or args.reference_offload),
+              "--kl-estimator / --reference-offload shape the reference policy's KL: give --kl-coef C > 0 or "
+              "--reference (or drop them)"),
              (args.env and (args.task != "succ" or args.data),
               f"--env {args.env} makes its own prompts and rewards: drop --task / --data (or --env)"),
              (args.env and args.eval_every > 0,
