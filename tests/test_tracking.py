@@ -188,6 +188,10 @@ def test_cli_plot(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == str(out)
     assert out.read_bytes()[:8] == PNG_MAGIC
+    (tmp_path / "empty").mkdir()                               # a run dir with no metrics: a usage error
+    res = subprocess.run([sys.executable, "-m", "minirl.recipes.tracking", "plot", str(tmp_path / "empty")],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "no metrics at" in res.stderr and "Traceback" not in res.stderr, res.stderr
 
 
 def test_resume_drops_the_steps_logged_after_the_checkpoint(tmp_path):

@@ -173,6 +173,8 @@ def main(argv=None):
     ap.add_argument("--keys", nargs="*", default=None, help="extra metric keys to plot")
     args = ap.parse_args(argv)
     jsonl = Path(args.path) / "metrics.jsonl" if Path(args.path).is_dir() else Path(args.path)
+    if not jsonl.is_file():
+        ap.error(f"no metrics at {jsonl}: give a run dir (launch --run-dir) or its metrics.jsonl")
     print(plot_metrics(jsonl, args.out or jsonl.with_name("metrics.png"), keys=args.keys))
 
 
