@@ -71,6 +71,11 @@ class WeightManager:
                              f"discarded), got {cfg.sleep_level}")
         check_model_path(model)       # what can be checked before any heavy work
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        if cfg.offload_optimizer and (device.type != "cuda" or cfg.sleep_level == 0):
+            raise ValueError("offload_optimizer=True on CPU: the state is in host memory already; drop it"
+                             if device.type != "cuda" else "offload_optimizer=True with sleep_level=0: a resident "
+                             "engine keeps its KV cache while the trainer steps, so AdamW's state has to stay; "
+                             "drop one of them")
         precision(cfg.trainer.mixed_precision, device)
         vc.engine_kwargs(llm_kwargs, sleep=False, seed=0)
         if device.type == "cuda":        # a mode that cannot fit fails here, before any loading

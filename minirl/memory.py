@@ -127,14 +127,9 @@ def _plan(trainer: Trainer, kw: dict, cfg) -> MemoryPlan:
         if need > (avail := psutil.virtual_memory().available):
             raise MemoryError(f"the model does not fit in RAM: training + engine need ~{need / GIB:.1f} GiB, "
                               f"{avail / GIB:.1f} GiB is available. Use a smaller model or more machines.")
-        if cfg.offload_optimizer:
-            raise ValueError("offload_optimizer=True on CPU: the state is in host memory already; drop it")
         return _as_loaded(trainer)
     user_sized = "gpu_memory_utilization" in kw or "kv_cache_memory_bytes" in kw
-    level = 2 if cfg.sleep_level is None else cfg.sleep_level
-    if cfg.offload_optimizer and level == 0:
-        raise ValueError("offload_optimizer=True with sleep_level=0: a resident engine keeps its KV cache "
-                         "while the trainer steps, so AdamW's state has to stay; drop one of them")
+    level = 2 if cfg.sleep_level is None else cfg.sleep_level        # offload_optimizer with 0: refused before
     if cfg.sleep_level is not None and user_sized:
         return replace(_as_loaded(trainer), sleep_level=level, offload_optimizer=bool(cfg.offload_optimizer))
     headroom = _headroom(torch.cuda.mem_get_info(trainer.device)[1])

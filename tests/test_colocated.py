@@ -15,7 +15,7 @@ from vllm import SamplingParams
 
 from conftest import run_py
 from minirl import clipped_policy_loss, get_logprobs, parse_vllm_outputs
-from minirl import vllm_compat as vc
+from minirl import colocated, vllm_compat as vc
 from minirl.colocated import SyncError, WeightManager, WeightManagerConfig
 from minirl.recipes.tasks import get_task
 from minirl.trainer import TrainerConfig
@@ -142,8 +142,13 @@ def test_generate_after_as_trainable_is_an_error(wm):
     (dict(config=WeightManagerConfig(sleep_level=3)), ValueError, "sleep_level"),
     (dict(enable_sleep_mode=True), ValueError, "no sleep mode on CPU"),
     (dict(distributed_executor_backend="mp"), ValueError, "external_launcher"),
+    (dict(config=WeightManagerConfig(offload_optimizer=True)), ValueError, "on CPU: the state is in host memory"),
 ])
-def test_bad_arguments_fail_before_any_work(tiny_model, kwargs, err, msg):
+def test_bad_arguments_fail_before_any_work(tiny_model, kwargs, err, msg, monkeypatch):
+    """Refused before the model loads (a Trainer built would be work done: here it fails the test)."""
+    def loaded(*a, **kw):
+        raise AssertionError("a Trainer was built before the arguments were checked")
+    monkeypatch.setattr(colocated, "Trainer", loaded)
     kwargs = {"model": tiny_model, **kwargs}
     with pytest.raises(err, match=msg):
         WeightManager(kwargs.pop("model"), **kwargs)
