@@ -152,6 +152,9 @@ class Trainer:
         mean over the global batch). With entropy, batch.entropy holds each scored token's entropy at
         `temperature`. Returns the global token means of the loss and of every value loss_fn reports,
         "tokens" and "micro_batches"."""
+        if num_global_tokens is not None and not num_global_tokens >= 1:      # < 0 flipped the gradient
+            raise ValueError(f"num_global_tokens must be >= 1 (the tokens the loss is averaged over, every "
+                             f"rank's), got {num_global_tokens}; None: the scored tokens of this step's rollouts")
         budget = (torch._functorch.config.patch(activation_memory_budget=self.memory_budget) if self.compile
                   else contextlib.nullcontext())        # read where the layers compile: their first pass
         with _explain_oom(self, f"forward_backward (micro-batches of <= {self.micro_batch_tokens} tokens)"), budget:

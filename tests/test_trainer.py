@@ -229,6 +229,9 @@ def test_non_finite_gradient_is_refused(trainer):
     with pytest.raises(ValueError, match="advantages hold"):      # the loss refuses a NaN input
         trainer.forward_backward(rs, ppo_loss_fn(entropy=False))
     rs[0].advantage = 1.0
+    for bad in (0, -5):                       # a negative count flipped the gradient's sign; 0 scaled it up
+        with pytest.raises(ValueError, match=f"num_global_tokens must be >= 1 .*got {bad}"):
+            trainer.forward_backward(rs, ppo_loss_fn(entropy=False), num_global_tokens=bad)
     trainer.forward_backward(rs, ppo_loss_fn(entropy=False))
     with torch.no_grad():
         next(trainer.model.parameters()).grad.mul_(float("nan"))  # a gradient gone non-finite
