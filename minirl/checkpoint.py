@@ -179,9 +179,9 @@ class Checkpointer:
             raise ValueError(f"step must be an int >= 0 (it names the checkpoint directory), got {step!r}")
         final, tmp = self.root / f"step_{step:08d}", self.root / f".tmp_step_{step:08d}"
         blob = _objects_blob(objects) if objects else None    # before anything is written
+        if final.exists():                  # every rank: one raising alone left the others at the barrier
+            raise CheckpointError(f"checkpoint {final} already exists")
         if _rank() == 0:
-            if final.exists():
-                raise CheckpointError(f"checkpoint {final} already exists")
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()

@@ -340,6 +340,14 @@ tr.optim_step()
 weights = {{}}                                  # after the step, as the engine gets them (LoRA: merged)
 tr.gather(lambda bucket: weights.update((n, t.clone()) for n, t in bucket), dtype=torch.float32)
 tr.export_hf({out!r} + f"/hf_{{world}}")       # collective; rank 0 writes
+if {mode!r} == "full":                         # a checkpoint saved twice: every rank refuses, none waits
+    from minirl.checkpoint import Checkpointer, CheckpointError
+    ck = Checkpointer({out!r} + f"/ck_{{world}}")
+    tr.save_checkpoint(ck, 1)
+    try:
+        tr.save_checkpoint(ck, 1)
+    except CheckpointError as e:
+        open({out!r} + f"/resave_{{world}}_{{rank}}.txt", "w").write(str(e))
 if rank == 0:
     torch.save((grads, weights), {out!r} + f"/grads_{{world}}.pt")
     json.dump(out, open({out!r} + f"/out_{{world}}.json", "w"))
@@ -360,6 +368,8 @@ def test_two_ranks_with_uneven_rollouts_give_the_one_rank_update(tiny_model, tmp
         res = run_py(["-m", "torch.distributed.run", "--nproc_per_node", str(n), str(script)], timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
     (g1, w1), (g2, w2) = (torch.load(tmp_path / f"grads_{n}.pt") for n in (1, 2))
+    if mode == "full":                                  # rank 1 waited at the save's barrier before
+        assert all("already exists" in (tmp_path / f"resave_2_{r}.txt").read_text() for r in (0, 1))
     o1, o2 = (json.load(open(tmp_path / f"out_{n}.json")) for n in (1, 2))
     assert o1["tokens"] == o2["tokens"] and o1["loss"] == pytest.approx(o2["loss"], abs=1e-6)
     assert g1.keys() == g2.keys() and all(".lora_" in n for n in g1) == (mode == "lora")
