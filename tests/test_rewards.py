@@ -67,6 +67,7 @@ def test_extract_answer_without_number_fallback(text, expected):
 
 @pytest.mark.parametrize("a, b", [
     ("1,000", "1000"), ("1,000,000", "10^6"), ("0.5", "1/2"), ("0.5", "\\frac{1}{2}"),
+    ("10,\\!000", "10000"), ("1,\\!234,\\!567", "1234567"), ("1{,}000", "1000"),  # LaTeX thousands commas
     ("\\dfrac12", ".5"), ("\\tfrac{3}{4}", "0.75"), ("3.0", "3"), ("72.", "72"), ("-5", "−5"),
     ("\\$18", "18"), ("$18.00", "18"), ("18 dollars", "18"), ("5\\text{ cm}^2", "5"),
     ("90^\\circ", "90"), ("x = 3", "3"), ("50%", "50"), ("50\\%", "50"),
@@ -97,6 +98,7 @@ def test_math_equal(a, b):
     ("3/0", "3"), ("\\frac{1}{0}", "\\sqrt{2}"), ("x/0", "72"),  # 1/0 equalled every answer
     ("(1, 2)", "(2, 1)"), ("(1, 2)", "[1, 2]"), ("(1, 2)", "\\{1, 2\\}"),  # order and brackets count
     ("1, 1, 2", "1, 2, 2"), ("1, 2", "1, 2, 3"),                # matched one to one
+    ("1,\\!2", "12"), ("10{,}00", "1000"),                       # a list, not a thousands comma
     ("(0.333333, 1)", "(\\frac13, 1)"), ("(A, B)", "(a, b)"),   # parts as exact as whole answers
     ("\\begin{pmatrix} 1 & 2 \\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"),  # shape
     ("x <= 3", "3"), ("x \\le 3", "3"), ("x \\le 3", "x < 3"),   # a relation is not its bound

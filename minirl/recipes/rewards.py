@@ -90,6 +90,7 @@ def extract_answer(text: str, *, fallback_last_number: bool = True) -> str | Non
 
 def _normalize(s: str) -> str:
     """Drop `\\text{}` wrappers, `$`, `%`, degrees, spacing, `x =`, units, thousands commas, a final `.`."""
+    s = re.sub(r"(?<=\d)(?:,\\!|\{,\})(?=\d)", ",", s)       # LaTeX's digit-group commas `10,\!000`, `10{,}000`
     s = re.sub(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}", r" \1", s)
     s = re.sub(r"(\\\\)|\\left|\\right|\\displaystyle|\\[,;:! $%]|[$%°]|\^\s*\{?\\circ\}?",
                lambda m: m[1] or " ", s)                  # a matrix's row break \\ stays
