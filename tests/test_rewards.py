@@ -71,6 +71,7 @@ def test_extract_answer_without_number_fallback(text, expected):
     ("\\dfrac12", ".5"), ("\\tfrac{3}{4}", "0.75"), ("3.0", "3"), ("72.", "72"), ("-5", "−5"),
     ("\\$18", "18"), ("$18.00", "18"), ("18 dollars", "18"), ("5\\text{ cm}^2", "5"),
     ("90^\\circ", "90"), ("x = 3", "3"), ("50%", "50"), ("50\\%", "50"),
+    ("f(x) = x^2", "x^2"), ("3 + 4 = 7", "7"), ("x = 2, y = 3", "y=3, x=2"),  # a name's or a sum's `=`
     ("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}"), ("2\\sqrt{3}", "\\sqrt{12}"),
     ("\\sqrt{2}+\\sqrt{3}", "\\sqrt{5+2\\sqrt{6}}"), ("2^{10}", "1024"), ("10^{-2}", "0.01"),
     ("\\left(3\\right)", "3"), ("2\\pi r", "2 r \\pi"), ("x^2+2x+1", "(x+1)^2"),
@@ -102,6 +103,8 @@ def test_math_equal(a, b):
     ("(0.333333, 1)", "(\\frac13, 1)"), ("(A, B)", "(a, b)"),   # parts as exact as whole answers
     ("\\begin{pmatrix} 1 & 2 \\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"),  # shape
     ("x <= 3", "3"), ("x \\le 3", "3"), ("x \\le 3", "x < 3"),   # a relation is not its bound
+    ("x = 5, y = 3", "x = 2, y = 3"), ("2x - y + 3z + 8 = 0", "x + y + z = 0"),  # equations are not
+    ("2x - y + 3z + 8 = 0", "0"), ("x^2 + y^2 = 25", "25"),                        # their right sides
 ])
 def test_math_not_equal(a, b):
     assert not math_equal(a, b)

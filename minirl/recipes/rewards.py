@@ -89,13 +89,21 @@ def extract_answer(text: str, *, fallback_last_number: bool = True) -> str | Non
 
 
 def _normalize(s: str) -> str:
-    """Drop `\\text{}` wrappers, `$`, `%`, degrees, spacing, `x =`, units, thousands commas, a final `.`."""
+    """Drop `\\text{}` wrappers, `$`, `%`, degrees, spacing, `x =` (_rhs), units, thousands commas, a final `.`."""
     s = re.sub(r"(?<=\d)(?:,\\!|\{,\})(?=\d)", ",", s)       # LaTeX's digit-group commas `10,\!000`, `10{,}000`
     s = re.sub(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}", r" \1", s)
     s = re.sub(r"(\\\\)|\\left|\\right|\\displaystyle|\\[,;:! $%]|[$%°]|\^\s*\{?\\circ\}?",
                lambda m: m[1] or " ", s)                  # a matrix's row break \\ stays
-    s = _UNITS.sub("", re.split(r"(?<![<>!])=", s.replace("−", "-"))[-1].strip())   # not <=, >=, !=
+    s = _UNITS.sub("", _rhs(s.replace("−", "-")).strip())
     return re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", s).strip().rstrip(".")
+
+
+def _rhs(s: str) -> str:
+    """What follows the last `=` (not <=, >=, !=) of s when each side before it is a name (`x`, `AB`, `\\theta`,
+    `x_1`, `f(x)`) or has no letters (`3 + 4`), else all of s: an equation (`x + y = 0`, `x = 2, y = 3`) stays."""
+    *lhs, rhs = re.split(r"(?<![<>!])=", s)
+    name = re.compile(r"[^a-zA-Z]*|[a-zA-Z\s]+(?:_\{?\w+\}?|'+)?(?:\([^()]*\))?")
+    return rhs if all(name.fullmatch(re.sub(r"\\[a-zA-Z]+", "", x).strip()) for x in lhs) else s
 
 
 def _plain_number(s: str) -> Fraction | None:
