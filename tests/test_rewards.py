@@ -36,6 +36,7 @@ from minirl.recipes.rewards import (code_reward, combine, extract_answer, extrac
     ("It costs $1,234.50 in total.", "1,234.50"),
     ("Half is 3/4 of it", "3/4"),
     ("The temperature fell to -7 degrees", "-7"),
+    ("The temperature fell to −7 degrees", "−7"),                  # a Unicode minus is a sign too
     ("no digits at all", None),
     ("", None),
     ("the code is ab7c", None),                                  # 7 is glued inside a word
@@ -144,6 +145,7 @@ def test_math_equal_works_off_the_main_thread():     # no signal-based timeouts,
     ("#### 7.0", "7", 1.0), ("\\boxed{7}", "7.00", 1.0),        # so are 7.0 and 7.00
     ("It drops 3 degrees to -3.", -3, 1.0),                     # negative, before a final period
     ("It drops to -3", "3", 0.0),                               # the sign counts
+    ("It drops 3 degrees to −3.", -3, 1.0), ("It drops to −3", "3", 0.0),  # a Unicode minus too
     ("#### 1,000", "#### 1000", 1.0),                           # thousands commas, both sides reduced
     ("\\boxed{1/0}", "72", 0.0),                                # 1/0 scored 1.0 against any answer
     ("#### 10000000000000000", 1e16, 1.0),                      # a float reference read as its digits

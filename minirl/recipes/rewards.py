@@ -25,9 +25,9 @@ from functools import cache, lru_cache
 from minirl import faults
 
 log = logging.getLogger(__name__)
-# A number for the last-number fallback: -?digits, thousands commas, decimals (or .5), /digits; not
-# right after a letter, digit, `_` or `.` (_last_number checks what follows it).
-_NUMBER = re.compile(r"(?<![\w.])-?(?:[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?|\.[0-9]+)(?:/[0-9]+)?")
+# A number for the last-number fallback: -?digits (- or Unicode's minus), thousands commas, decimals (or .5),
+# /digits; not right after a letter, digit, `_` or `.` (_last_number checks what follows it).
+_NUMBER = re.compile(r"(?<![\w.])[-−]?(?:[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?|\.[0-9]+)(?:/[0-9]+)?")
 _PLAIN = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:/[0-9]+)?")     # a normalized 007, 7.0, -.5, 3/4
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BRACE = re.compile(r"[{}]")
@@ -76,7 +76,7 @@ def extract_answer(text: str, *, fallback_last_number: bool = True) -> str | Non
     1. the contents of the last complete `\\boxed{...}` or `\\fbox{...}` (nested braces allowed; a box
        left open, e.g. cut by max_tokens, is skipped);
     2. the rest of the line after the last `####` (may be "");
-    3. if fallback_last_number, the last number that stands alone: `-`?digits with optional thousands
+    3. if fallback_last_number, the last number that stands alone: `-`?digits (`-` or `−`), optional thousands
        commas and decimals (or `.5`), optionally `/digits`, with no letter, digit, `_` or `.` just before
        it and no letter, digit, `_` or `.digit` just after it. So "ab7c", "x2", "7th", "5cm" and
        "v1.2.3" hold no number; "x-7" and "5-7" end in 7 (a `-` after a letter or digit is a minus).
