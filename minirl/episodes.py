@@ -178,11 +178,11 @@ class Episode:
         return ids
 
     def add_messages(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
-        """Render only these new chat messages (chat_delta) and append them; if the last sampled turn
-        did not end with EOS, EOS comes first."""
+        """Render only these new chat messages (chat_delta) and append them; if the context ends with a
+        sampled turn that did not end with EOS (cut by max_tokens, or another stop token), EOS comes first."""
         tok = self.runner.tokenizer
         ids = chat_delta(tok, messages, add_generation_prompt=add_generation_prompt)
-        if self.turns and tok.eos_token_id is not None and self.token_ids[-1] != tok.eos_token_id:
+        if self.loss_mask[-1] and tok.eos_token_id is not None and self.token_ids[-1] != tok.eos_token_id:
             ids = [tok.eos_token_id] + ids
         self.append(ids)
         return ids

@@ -103,6 +103,23 @@ def test_tokens_exact_over_turns_with_chat_template(wm, monkeypatch):
     assert sum(r.loss_mask) == sum(len(t.token_ids) for t in eps[0].turns)
 
 
+def test_eos_closes_a_cut_turn_only_where_the_context_ends_with_it(wm):
+    """add_messages puts EOS first after a turn cut by max_tokens, but not after tokens the episode
+    appended since (before, EOS went after them, into the middle of the context)."""
+    tok, deltas = chat_tokenizer(), []
+
+    async def episode(ep):
+        await ep.generate(max_tokens=2, ignore_eos=True)               # cut: no EOS
+        deltas.append(ep.add_messages([{"role": "user", "content": "a"}]))
+        await ep.generate(max_tokens=2, ignore_eos=True)
+        ep.add_text("x")                                               # the episode's own tokens after it
+        deltas.append(ep.add_messages([{"role": "user", "content": "b"}]))
+        return 0.0
+    run_episodes(wm.as_vllm(), episode, [[{"role": "user", "content": "1+1="}]], tokenizer=tok)
+    assert deltas[0][0] == tok.eos_token_id and deltas[1][0] != tok.eos_token_id
+    assert tok.decode(deltas[1]) == "u:b<eos>a:"
+
+
 def test_masks_and_logprobs_align_with_the_engine(wm):
     """Hand-laid example: P prompt ids, 2 sampled, 2 environment ids (5, 6), 2 sampled ->
     completion = s1 s2 5 6 s3 s4, loss_mask 1 1 0 0 1 1, log-probs lp1 lp2 0 0 lp3 lp4; the sampled
