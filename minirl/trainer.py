@@ -383,11 +383,14 @@ class Trainer:
         Hugging Face directory on rank 0: config, tokenizer, fp32 safetensors. Collective; only rank 0
         copies the weights to its host."""
         from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         from transformers import AutoConfig, AutoTokenizer
-        sd: dict[str, torch.Tensor] = {}
-        keep = self.rank.rank == 0
-        self.gather(lambda b: keep and sd.update((n, t.to("cpu", copy=True)) for n, t in b), dtype=torch.float32)
+        reshard(self.model)     # the master weights: gather() hands over FSDP2's copies in the compute dtype
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank.rank == 0:
+            lora = self.config.lora
+            sd = [(n, full[n].float()) for n, _ in self.model.named_parameters()]     # a tied weight once
+            sd = dict(sd if lora is None else merge_bucket(sd, lora.scale))
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             save_file({n: t.contiguous() for n, t in sd.items()}, str(Path(out_dir) / "model.safetensors"),
                       metadata={"format": "pt"})

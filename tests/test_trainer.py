@@ -280,6 +280,37 @@ def test_a_micro_batch_too_big_for_the_device_is_refused_with_its_numbers(traine
         memory.measure_peak(trainer, reserve=3 * gib // 2)
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_export_hf_writes_the_fp32_master_weights_under_bf16_compute(tiny_model, tmp_path, lora):
+    """With bf16 compute FSDP2 unshards bf16 copies of the fp32 master weights: the export (fp32
+    safetensors) holds the master weights themselves, with LoRA merged from the fp32 adapters."""
+    from safetensors.torch import load_file
+    from minirl.lora import LoRAConfig
+    from minirl.trainer import Trainer, TrainerConfig
+    cfg = LoRAConfig(rank=4, alpha=8.0) if lora else None
+    tr = Trainer(tiny_model, TrainerConfig(mixed_precision="bf16", lora=cfg))
+    with torch.no_grad():
+        for n, p in tr.model.named_parameters():      # B = 0 at load: give the adapters something to merge
+            if ".lora_B." in n:
+                _local(p).normal_()
+    master = {n: p.full_tensor() for n, p in tr.model.named_parameters()}
+    want = {}
+    for n, w in master.items():
+        if ".lora_" in n:
+            continue
+        if n.endswith(".base_layer.weight"):
+            m = n.removesuffix(".base_layer.weight")
+            w = w + cfg.scale * master[f"{m}.lora_B.default.weight"] @ master[f"{m}.lora_A.default.weight"]
+            n = f"{m}.weight"
+        want[n] = w
+    tr.export_hf(tmp_path / "hf")
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert exported.keys() == want.keys()
+    for n in want:
+        assert exported[n].dtype == torch.float32
+        torch.testing.assert_close(exported[n], want[n], atol=1e-6, rtol=1e-6)
+
+
 def test_a_step_with_every_token_masked_trains_nothing(trainer):
     rs = _rollouts(3)
     for r in rs:          # e.g. every completion truncated under an over-long filter
