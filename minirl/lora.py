@@ -47,7 +47,8 @@ class LoRAConfig:
 
 def apply_lora(model: torch.nn.Module, cfg: LoRAConfig) -> torch.nn.Module:
     """Inject cfg's adapters into `model` in place (B = 0: the model is unchanged), freeze every
-    other parameter; ValueError naming the available layers when a target is not an nn.Linear."""
+    other parameter; ValueError naming the available layers when a target is not an nn.Linear, or
+    naming a target whose weight is tied to another module's."""
     try:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError as e:
@@ -57,6 +58,13 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig) -> torch.nn.Module:
     if bad := sorted(set(cfg.target_modules) - linear):
         raise ValueError(f"LoRA target_modules {bad} are not linear layers of {type(model).__name__}: "
                          f"choose among {sorted(linear)}")
+    seen, tied = set(), set()
+    for _, p in model.named_parameters(remove_duplicate=False):
+        (tied if id(p) in seen else seen).add(id(p))
+    if bad := sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+                      and n.rsplit(".", 1)[-1] in cfg.target_modules and id(m.weight) in tied}):
+        raise ValueError(f"LoRA target_modules {bad} share their weight with another module (tied embeddings): "
+                         "no merged weight can carry their adapter; leave them out (also_train trains them in full)")
     extra = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in cfg.also_train]
     if bad := sorted(set(cfg.also_train) - {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}):
         raise ValueError(f"LoRA also_train {bad} are not modules of {type(model).__name__}")

@@ -37,6 +37,23 @@ def test_merge_bucket_by_hand():
         LoRAConfig(rank=0).check()
 
 
+def test_an_adapter_on_a_tied_lm_head_is_refused(tiny_model, tmp_path):
+    """A tied lm_head's weight is the embedding's: no merged weight can carry its adapter (the sync
+    and the export send the embedding alone). Untied, the lm_head's adapter merges as any other."""
+    from transformers import AutoModelForCausalLM
+    from minirl.lora import apply_lora
+    from minirl.recipes.tiny import build_tiny_model
+    cfg = LoRAConfig(rank=4, target_modules=("q_proj", "lm_head"))
+    with pytest.raises(ValueError, match=r"\['lm_head'\] share their weight"):
+        apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model), cfg)
+    untied = build_tiny_model(tmp_path / "untied", tie_word_embeddings=False)
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(untied), cfg)
+    with torch.no_grad():
+        model.lm_head.lora_B.default.weight.fill_(1.0)
+    merged = dict(merge_bucket(list(model.named_parameters()), cfg.scale))
+    assert not torch.equal(merged["lm_head.weight"], model.lm_head.base_layer.weight)
+
+
 def test_kl_penalty_by_hand():
     # log p = [-1, -2], log q = [-2, -2]: k1 = [1, 0]; k2 = [0.5, 0]; k3 = e^-1 - 1 + 1 = [0.3679, 0].
     class Batch:
