@@ -78,22 +78,29 @@ _VARLEN_PARAMS: set = set()     # varlen_attn's keyword names in this torch (fil
 
 @torch.compiler.disable      # a loop over the rollouts: compiled layers run it eagerly between graphs
 def _sdpa_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, 0), enable_gqa=False):
-    """torch.nn.attention.varlen.varlen_attn's contract (packed (T, H, D) rows, causal) by SDPA once
-    per rollout, where that kernel is missing (CPU): one block-diagonal mask over a packed row costs
-    the row's length squared (SmolLM2-135M, 128 rollouts of 50 tokens: 1.8x the time, +5 GiB)."""
-    cu = cu_q.tolist()
+    """torch.nn.attention.varlen.varlen_attn's contract (packed (T, H, D) rows, causal; window_size
+    (W, 0): each query sees itself and the W keys before it) by SDPA once per rollout, where that
+    kernel is missing (CPU): one block-diagonal mask over a packed row costs the row's length
+    squared (SmolLM2-135M, 128 rollouts of 50 tokens: 1.8x the time, +5 GiB)."""
+    cu, left = cu_q.tolist(), window_size[0]
     q, k, v = (x.transpose(0, 1) for x in (q, k, v))                                 # (H, T, D)
+
+    def window(n):                  # query position - key position in [0, left]
+        d = torch.arange(n, device=q.device)
+        d = d[:, None] - d
+        return (d >= 0) & (d <= left)
     return torch.cat([torch.nn.functional.scaled_dot_product_attention(
-        q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True, scale=scale, enable_gqa=enable_gqa)
-        for a, b in zip(cu, cu[1:])], dim=1).transpose(0, 1)
+        q[:, a:b], k[:, a:b], v[:, a:b], is_causal=left < 0, attn_mask=None if left < 0 else window(b - a),
+        scale=scale, enable_gqa=enable_gqa) for a, b in zip(cu, cu[1:])], dim=1).transpose(0, 1)
 
 
 def _varlen_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
                       cu_seq_lens_q=None, max_length_q=None, **kwargs):
     """transformers attention over packed rows, attention within each rollout: (B, H, T, D) in,
     (B, T, H, D) out, by torch's flash varlen kernel on CUDA, _sdpa_varlen elsewhere. Rows without
-    cu_seq_lens are one sequence each; a padded batch (an attention mask: collate's right padding)
-    takes transformers' exact SDPA path instead."""
+    cu_seq_lens are one sequence each; a layer's sliding_window keeps each query to its window; a
+    padded batch (an attention mask: collate's right padding) takes transformers' exact SDPA path
+    instead."""
     if attention_mask is not None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
@@ -107,7 +114,8 @@ def _varlen_attention(module, query, key, value, attention_mask, *, scaling=None
         cu_seq_lens_q, max_length_q = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=query.device), T
     q = query.transpose(1, 2).reshape(B * T, H, D)
     k, v = (x.transpose(1, 2).reshape(B * T, -1, D) for x in (key, value))
-    extra = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}   # causal
+    left = -1 if kwargs.get("sliding_window") is None else kwargs["sliding_window"] - 1   # a sliding-window layer
+    extra = {"window_size": (left, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}   # causal
     if k.shape[1] != H and "enable_gqa" in _VARLEN_PARAMS:     # grouped-query attention
         extra["enable_gqa"] = True
     elif k.shape[1] != H:

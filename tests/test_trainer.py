@@ -448,6 +448,30 @@ def test_packed_attention_on_cpu_stays_within_each_rollout(tmp_path, monkeypatch
                                    ref(batch.input_ids, attention_mask=batch.attention_mask).logits)
 
 
+def test_packed_attention_on_cpu_keeps_a_sliding_window(tmp_path):
+    """A model whose layers attend within a sliding window (here 4 tokens) keeps it in CPU's packed
+    attention: each rollout of a packed row gets transformers' own SDPA logits."""
+    from transformers import AutoModelForCausalLM
+    from minirl import model as model_mod
+    from minirl.recipes.tiny import build_tiny_model
+    path = build_tiny_model(tmp_path / "window")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention"] * cfg["num_hidden_layers"])
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation=model_mod._attention("auto", torch.device("cpu")))
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    assert model.model.layers[0].self_attn.sliding_window == 4
+    rs = _rollouts(3)                                        # 5, 8 and 11 tokens
+    (mb,) = pack(rs, max_tokens=1000)
+    with torch.no_grad():
+        packed = model(mb.input_ids, position_ids=mb.position_ids, use_cache=False, cu_seq_lens_q=mb.cu_seqlens,
+                       max_length_q=mb.max_seqlen).logits[0]
+        for s, r in enumerate(rs):
+            a, b = mb.cu_seqlens[s], mb.cu_seqlens[s + 1]
+            torch.testing.assert_close(packed[a:b], ref(r.token_ids).logits[0], atol=1e-5, rtol=1e-5)
+
+
 def test_predict_peak_on_the_line_through_two_trials():
     """Trials of 2,048 and 4,096 tokens peaking at 20 and 24 GiB (gradients + 2 GiB per 1,024 tokens
     of activations) put 16,384 tokens at 24 + 4 * 12 / 2 = 48 GiB; a flat line stays flat."""
