@@ -91,7 +91,13 @@ class ColocatedGroup:
                  bundle: dict | None = None, timeout_s: float = 600.0, **llm_kwargs):
         self.timeout = timeout_s
         self.pg, self.workers = start_workers(num_workers, bundle=bundle, timeout_s=timeout_s)
-        self.info = self._get([w.setup.remote(model, lr, config, llm_kwargs) for w in self.workers], "setup")
+        try:
+            self.info = self._get([w.setup.remote(model, lr, config, llm_kwargs) for w in self.workers], "setup")
+        except BaseException:          # a rank's setup raised: its actors and group go before the error
+            for w in self.workers:
+                ray.kill(w, no_restart=True)
+            placement.remove(self.pg)
+            raise
 
     def _get(self, refs, what):
         return placement.get(refs, self.timeout, f"co-located workers ({what})")

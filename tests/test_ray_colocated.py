@@ -69,3 +69,13 @@ def test_spmd_loop_on_two_actors(ray_local, tmp_path):
     assert run_spmd(_spmd_job, str(tmp_path), str(ROOT), num_workers=2) == [True, True]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(rows) == 3 and rows[-1]["policy_version"] == 2
+
+
+def test_a_group_whose_setup_fails_leaves_nothing_behind(ray_local, tmp_path):
+    """A rank whose setup raises: ColocatedGroup raises that error, its actors and placement group gone."""
+    from ray.util.placement_group import placement_group_table
+    before = set(placement_group_table())
+    with pytest.raises(FileNotFoundError, match="not found"):
+        ColocatedGroup(str(tmp_path / "no-model"), num_workers=1, timeout_s=120)
+    new = {k: v["state"] for k, v in placement_group_table().items() if k not in before}
+    assert new and set(new.values()) == {"REMOVED"}, new
