@@ -55,8 +55,12 @@ class RolloutServer:
                                   ready_timeout_s=ready_timeout_s)
         self.generators, self.stats = self.pool.generators, self.pool.stats
         self._thread, self._error, self._items, self._closed = None, None, [], False   # items: for a rejoin
-        for wid in [self.pool.add(wait=False) for _ in range(num_generators)]:
-            self.pool.wait_ready(wid)
+        try:
+            for wid in [self.pool.add(wait=False) for _ in range(num_generators)]:
+                self.pool.wait_ready(wid)
+        except BaseException:     # a generator failed to start (or an interrupt): nothing is left behind
+            self.shutdown(remove_queue=True)
+            raise
 
     def add_generator(self, resources: dict | None = None, *, wait: bool = True) -> str:
         return self.pool.add(resources, wait=wait)

@@ -97,10 +97,27 @@ def test_failed_prompt_stops_the_run_with_its_cause(ray_local, tiny_model):
 
 
 def test_generator_init_failure_names_its_cause(ray_local, tiny_model):
+    """... and leaves nothing behind: the generators' placement groups are removed and the (detached) queue
+    is gone, so a retry under its name with a new run's token is not refused as another run's."""
+    from ray.util.placement_group import placement_group_table
+    before = set(placement_group_table())
     with pytest.raises(RuntimeError, match=r"generator gen-\w+ failed to start: .*no_such_engine_arg"):
         RolloutServer(tiny_model, "q-init", **SETTINGS, llm_kwargs={**LLM, "no_such_engine_arg": 1},
                       ready_timeout_s=120)
-    ray.kill(ray.get_actor("q-init", namespace="minirl"))
+    new = {k: v["state"] for k, v in placement_group_table().items() if k not in before}
+    assert new and set(new.values()) == {"REMOVED"}, new
+    deadline = time.time() + 30
+    while _named("q-init") and time.time() < deadline:     # ray.kill takes effect shortly after
+        time.sleep(0.2)
+    assert not _named("q-init")
+
+
+def _named(name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace="minirl")
+        return True
+    except ValueError:
+        return False
 
 
 # ---- the trainer alone killed at a seeded moment, resumed from its checkpoint ------------------
