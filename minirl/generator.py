@@ -259,7 +259,10 @@ class _Session:
         gen = self.gen
         if self.errors:
             raise self.errors[0]
-        while self.inbox and not any(job.exclusive for job in gen._mailbox):
+        while self.inbox:
+            with gen._state:                     # other threads post to the mailbox meanwhile
+                if any(job.exclusive for job in gen._mailbox):
+                    break
             item = self.inbox.popleft()
             try:                                 # e.g. a prompt the tokenizer refuses: that prompt's failure
                 gen.runner.start_group(gen.episode, item.prompt, group_size=gen.group_size, uid=item.uid,
