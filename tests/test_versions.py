@@ -94,6 +94,14 @@ def test_check_and_foreign_catch_what_they_should():
                 (Version(Version(x).base_version) < Version(Version(y).base_version)), (x, y)
 
 
+def test_a_version_without_a_release_number_is_outside_the_window():
+    """vLLM's version is "dev" when it cannot read its own (vllm/version.py's fallback): no release
+    to place in the window, so check() refuses it as outside, naming the fix."""
+    assert not versions.inside("vllm", "dev")
+    with pytest.raises(RuntimeError, match=r"vllm dev is outside minirl's window vllm>=0\.22\.0,<0\.33 .*setup\.sh"):
+        versions.check("vllm", "dev")
+
+
 def test_vllm_compat_names_the_window_ends():
     """vllm_compat.py's docstring states which vLLM versions its code paths cover: the
     window's verified ends ("vLLM 0.22 GPU ... 0.32 CPU"), and nothing outside the window."""
