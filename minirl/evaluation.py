@@ -45,6 +45,8 @@ def evaluate(llm, prompts: list, answers: list, reward_fn, *, max_tokens: int, s
     from minirl.vllm_compat import SamplingParams
     if len(prompts) != len(answers) or not prompts:
         raise ValueError(f"evaluate: {len(prompts)} prompts and {len(answers)} answers (need equal, > 0)")
+    if not 1 <= k <= samples:                      # before any generation: pass@k needs k of the samples
+        raise ValueError(f"evaluate: k={k} must be in [1, samples={samples}]: raise samples or lower k")
     t0 = time.perf_counter()
     runs = []
     for params in (SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens),

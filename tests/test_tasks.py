@@ -226,6 +226,17 @@ def test_pass_at_k(n, c, k, expected):
     assert math.isclose(pass_at_k(n, c, k), expected)
 
 
+def test_evaluate_refuses_k_above_samples_before_generating():
+    """evaluate(samples < k) is refused before any generation (before, pass_at_k raised after it all)."""
+    from minirl.evaluation import evaluate
+
+    class NoEngine:
+        def generate(self, *a, **kw):
+            raise AssertionError("generated before the arguments were checked")
+    with pytest.raises(ValueError, match=r"k=4 must be in \[1, samples=2\]"):
+        evaluate(NoEngine(), ["1+1="], ["2"], lambda p, c, a: 0.0, max_tokens=2, samples=2, k=4)
+
+
 def test_pass_at_k_bad_args():
     for n, c, k in ((4, 5, 1), (4, 1, 5), (4, 1, 0)):
         with pytest.raises(ValueError, match="pass_at_k needs"):
