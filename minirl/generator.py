@@ -146,7 +146,8 @@ class Generator:
         try:
             return job.future.result(timeout=max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"an engine call waited {timeout_s} s for the engine's thread") from None
+            state = "withdrawn: it will not run" if job.future.cancel() else "it runs still and may finish"
+            raise TimeoutError(f"an engine call waited {timeout_s} s for the engine's thread ({state})") from None
 
     # -- weights -----------------------------------------------------------------------------------
 
@@ -280,7 +281,10 @@ class _Job:
         self.future: concurrent.futures.Future = concurrent.futures.Future()
 
     def run(self, in_session: bool = False) -> None:
-        """direct(), or session() between the session's steps (an awaitable then runs as its task)."""
+        """direct(), or session() between the session's steps (an awaitable then runs as its task);
+        nothing once its caller withdrew it (timed out before it started)."""
+        if not self.future.set_running_or_notify_cancel():
+            return
         try:
             out = self.session() if in_session else self.direct()
             if in_session and inspect.isawaitable(out):

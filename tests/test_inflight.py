@@ -153,6 +153,26 @@ def test_a_session_starts_groups_while_other_threads_post_engine_calls():
     assert started == list(range(10_000)) and not s.inbox
 
 
+def test_an_engine_call_that_timed_out_before_it_ran_never_runs():
+    """An engine call posted to a session that did not reach it within timeout_s is withdrawn: the
+    TimeoutError says so and the session skips it (before, it ran later: a load_weights its caller was
+    told had failed changed the weights after all). One already running is reported as such."""
+    import collections
+    g = object.__new__(Generator)
+    g._mailbox, g._tasks, g._state, g._serving = collections.deque(), set(), threading.Lock(), True
+    g._engine, g.runner, ran = threading.Lock(), SimpleNamespace(wake=lambda: None), []
+    with pytest.raises(TimeoutError, match=r"waited 0.2 s .*\(withdrawn: it will not run\)"):
+        g._in_engine(lambda: ran.append(1), timeout_s=0.2)
+    g._between_steps()                          # the session reaches the mailbox at last
+    assert ran == [] and not g._mailbox
+    g.runner.requests_in_flight = 0
+    release = threading.Event()
+    threading.Timer(0.1, g._between_steps).start()      # the session takes it, and it outlasts its wait
+    with pytest.raises(TimeoutError, match=r"\(it runs still and may finish\)"):
+        g._in_engine(lambda: release.wait(5), timeout_s=0.3)
+    release.set()
+
+
 def test_slow_reward_does_not_block_generation(gen):
     """One episode's reward_fn sleeps 1.5 s (sync: in a worker thread) while the other episodes keep
     taking turns; an async reward and a reward past reward_timeout_s (named in the error) too."""
