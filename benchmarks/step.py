@@ -27,8 +27,8 @@ trained (prompt + completion) / training seconds / peak, N the model's parameter
 reading the bf16 weights once an engine step and every running sequence's KV cache once a step at the
 device's bandwidth (H100 3.35 TB/s, H200 4.8 TB/s; the KV reads counted from the rollouts' prompt and
 completion lengths), training no faster than 6 N x tokens at the peak; `python benchmarks/step.py
---floor-of STEP.json` prints it for a JSON written before it was recorded. minirl's steps also record their generation's engine steps (count,
-ms a step, sequences at once), its wall, CPU and garbage-collector seconds (and full collections,
+--floor-of STEP.json` prints it for a JSON written before it was recorded. minirl's steps also
+record their generation's engine steps (count, ms a step, sequences at once), its wall, CPU and garbage-collector seconds (and full collections,
 objects frozen out of them), each training step's torch.compile graphs and seconds and allocator
 retries, and what the memory plan chose (sleep level, micro-batch tokens, recomputed layers of all).
 
@@ -453,7 +453,8 @@ def main():
             torch.cuda.empty_cache()              # the sides measure the device: give it back
     from transformers import AutoConfig, AutoModelForCausalLM
     with torch.device("meta"):
-        n_params = sum(x.numel() for x in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).parameters())
+        config = AutoConfig.from_pretrained(model)
+        n_params = sum(x.numel() for x in AutoModelForCausalLM.from_config(config).parameters())
     doc = {"shape": args.shape, "n_params": n_params, "workload": vars(args), "device":
            torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "sides": {}}
     out = Path(args.out or ROOT / "benchmarks/results" / f"step_{args.shape}_{args.max_tokens}.json")
@@ -467,7 +468,7 @@ def main():
         if "steps" in r:
             r["median"] = summarize(r, args, n_params)
         doc["sides"][side] = r
-        add_floor(doc, AutoConfig.from_pretrained(model).to_dict())
+        add_floor(doc, config.to_dict())
         print(side, r.get("median", r.get("error")), flush=True)
         out.write_text(json.dumps(doc, indent=1))
     out.with_suffix(".md").write_text(markdown(doc))

@@ -141,12 +141,18 @@ def verify(path: str | os.PathLike) -> Path:
     return path
 
 
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The (FSDP2) model's full state dict, its master weights, on rank 0's CPU (empty on the other
+    ranks). Collective."""
+    reshard(model)
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=dist.is_initialized(),
+                                                                cpu_offload=True))
+
+
 def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, tokenizer_from: str) -> None:
     """Write the (FSDP2) model as a Hugging Face directory (safetensors, config, tokenizer copied from
     `tokenizer_from`) on rank 0, gathering the full state dict to rank 0's CPU only. Collective."""
-    reshard(model)
-    opts = StateDictOptions(full_state_dict=dist.is_initialized(), cpu_offload=True)
-    sd = get_model_state_dict(model, options=opts)
+    sd = full_state_dict(model)
     if _rank() != 0:
         return
     dtype = getattr(model.config, "torch_dtype", None) or torch.float32

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from minirl.checkpoint import full_state_dict
 from minirl.core import get_logprobs, token_logprobs
 from minirl.data import pack, split_by_tokens
 from minirl.distributed import init_distributed, pick_device
@@ -383,10 +384,8 @@ class Trainer:
         Hugging Face directory on rank 0: config, tokenizer, fp32 safetensors. Collective; only rank 0
         copies the weights to its host."""
         from safetensors.torch import save_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         from transformers import AutoConfig, AutoTokenizer
-        reshard(self.model)     # the master weights: gather() hands over FSDP2's copies in the compute dtype
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = full_state_dict(self.model)   # the master weights (gather() hands over the compute dtype's copies)
         if self.rank.rank == 0:
             lora = self.config.lora
             sd = [(n, full[n].float()) for n, _ in self.model.named_parameters()]     # a tied weight once

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 # /digits; not right after a letter, digit, `_` or `.` (_last_number checks what follows it).
 _NUMBER = re.compile(r"(?<![\w.])[-−]?(?:[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?|\.[0-9]+)(?:/[0-9]+)?")
 _PLAIN = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:/[0-9]+)?")     # a normalized 007, 7.0, -.5, 3/4
+_NAME = re.compile(r"[^a-zA-Z]*|[a-zA-Z\s]+(?:_\{?\w+\}?|'+)?(?:\([^()]*\))?")   # _rhs: x, AB, x_1, f(x), 3 + 4
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BRACE = re.compile(r"[{}]")
 _UNITS = re.compile(r"(?<=\S)(?:\s+[a-zA-Z]{2,}\.?(?:\^\{?\d\}?)?)+\s*$")  # " cm^2", " dollars"
@@ -102,8 +103,7 @@ def _rhs(s: str) -> str:
     """What follows the last `=` (not <=, >=, !=) of s when each side before it is a name (`x`, `AB`, `\\theta`,
     `x_1`, `f(x)`) or has no letters (`3 + 4`), else all of s: an equation (`x + y = 0`, `x = 2, y = 3`) stays."""
     *lhs, rhs = re.split(r"(?<![<>!])=", s)
-    name = re.compile(r"[^a-zA-Z]*|[a-zA-Z\s]+(?:_\{?\w+\}?|'+)?(?:\([^()]*\))?")
-    return rhs if all(name.fullmatch(re.sub(r"\\[a-zA-Z]+", "", x).strip()) for x in lhs) else s
+    return rhs if all(_NAME.fullmatch(re.sub(r"\\[a-zA-Z]+", "", x).strip()) for x in lhs) else s
 
 
 def _plain_number(s: str) -> Fraction | None:
