@@ -116,10 +116,8 @@ def _varlen_attention(module, query, key, value, attention_mask, *, scaling=None
     k, v = (x.transpose(1, 2).reshape(B * T, -1, D) for x in (key, value))
     left = -1 if kwargs.get("sliding_window") is None else kwargs["sliding_window"] - 1   # a sliding-window layer
     extra = {"window_size": (left, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}   # causal
-    if k.shape[1] != H and "enable_gqa" in _VARLEN_PARAMS:     # grouped-query attention
-        extra["enable_gqa"] = True
-    elif k.shape[1] != H:
-        k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))
+    if k.shape[1] != H and "enable_gqa" in _VARLEN_PARAMS:     # grouped K/V heads, read in place
+        extra["enable_gqa"] = True        # (torch < 2.13 takes them without the flag: FA2 groups heads)
     out = kernel(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling, **extra)
     return out.view(B, T, H, D), None
 
