@@ -24,6 +24,8 @@ for stage in "$@"; do
       MINIRL_RESULTS_DIR=$out/tests timeout 300 python -m pytest tests/gpu -q 2>&1 | tail -15 | tee "$out/gpu_tests_tiny.log" ;;
     tests-trainer)   # the trainer's GPU tests alone (varlen packing, log-probs plain and compiled, their memory)
       MINIRL_RESULTS_DIR=$out/tests timeout 300 python -m pytest tests/gpu/test_trainer_gpu.py -q 2>&1 | tail -8 ;;
+    varlen-gqa)   # packed attention with grouped K/V heads as they are vs repeated per query head (0.6B, 4B)
+      timeout 200 python benchmarks/varlen_gqa.py --out "$out/varlen_gqa.json" 2>&1 | tail -4 ;;
     logprobs)   # token_logprobs plain and compiled at 16,384 rows (0.6B's LM head) and 8,192 (4B's)
       timeout 200 python benchmarks/logprobs.py --out "$out/logprobs_h200.json" 2>&1 | tail -9
       timeout 200 python benchmarks/logprobs.py --rows 8192 --hidden 2560 --temperatures 1.0 \
