@@ -208,8 +208,9 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor | None = None, mode: s
     masked = per_token * mask
     if mode == "token-mean":
         return masked.sum() / mask.sum().clamp(min=1)
-    if mode == "seq-mean-token-mean":
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    if mode == "seq-mean-token-mean":      # over the sequences with a counted token (a masked-out one is no 0)
+        counted = mask.sum(-1)
+        return (masked.sum(-1) / counted.clamp(min=1)).sum() / (counted > 0).sum().clamp(min=1)
     if mode == "seq-mean-token-sum-norm":
         return (masked.sum(-1) / (per_token.shape[-1] if max_tokens is None else max_tokens)).mean()
     raise ValueError(f"unknown aggregation {mode!r}; choose one of {AGGREGATIONS}")

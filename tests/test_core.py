@@ -188,7 +188,11 @@ def test_aggregate_without_mask_and_1d():
     # a 1-D input is one sequence: [1, 2, 3] masked [1, 1, 0] -> token-mean 1.5, sum-norm 3/3 = 1
     close(aggregate(t([1.0, 2.0, 3.0]), t([1, 1, 0]), "token-mean"), 1.5)
     close(aggregate(t([1.0, 2.0, 3.0]), t([1, 1, 0]), "seq-mean-token-sum-norm"), 1.0)
+    # a sequence masked out entirely is left out of seq-mean-token-mean's divisor, not averaged in as 0:
+    # rows [1, 2 | 3] and [4, 5, 6 masked out] -> (1 + 2) / 2 = 1.5 (not 1.5 / 2 = 0.75)
+    close(aggregate(t(PER_TOKEN), t([[1, 1, 0], [0, 0, 0]]), "seq-mean-token-mean"), 1.5)
     # nothing counted -> 0, not NaN
+    close(aggregate(t(PER_TOKEN), torch.zeros(2, 3), "seq-mean-token-mean"), 0.0)
     close(aggregate(t(PER_TOKEN), torch.zeros(2, 3), "token-mean"), 0.0)
     close(masked_mean(t([1.0, 2.0, 3.0]), t([0, 1, 1])), 2.5)
     close(masked_mean(t(PER_TOKEN), t(MASK), dim=-1), [1.5, 4.0])
