@@ -30,8 +30,8 @@ class GeneratorPool:
         self.per_call, self.timeout, self.ready_timeout = prompts_per_call, call_timeout_s, ready_timeout_s
         self.generators: dict[str, dict] = {}   # worker_id -> {"actor", "pg", "ready", "run", ...}
         self.failure_causes: dict[str, int] = {}     # what runs that raised said, and how often
-        self.stats = {"prompts": 0, "tokens": 0, "failures": 0, "lost_runs": 0, "stale_waits": 0,   # + loads
-                      "loads": 0, "load_s": 0.0, "loads_in_flight": 0, "busy_s": 0.0, "serve_s": 0.0}
+        self.stats = {"prompts": 0, "tokens": 0, "failures": 0, "failed_starts": 0, "lost_runs": 0,
+                      "stale_waits": 0, "loads": 0, "load_s": 0.0, "loads_in_flight": 0, "busy_s": 0.0, "serve_s": 0.0}
         self.stopped = False                    # stop(): watch() returns
 
     def add(self, resources: dict | None = None, *, wait: bool = True) -> str:
@@ -102,7 +102,7 @@ class GeneratorPool:
             finished = q["finished"]
             for wid, g in list(self.generators.items()):
                 if not g["ready"] and ray.wait([g["info"]], timeout=0)[0]:
-                    g["ready"] = True     # placed (perhaps on a node the autoscaler just added)
+                    self._started(wid)    # placed (perhaps on a node the autoscaler just added), or failed
                 if (g["ready"] and g["run"] is None and not finished and not g.get("draining")
                         and time.time() >= g["retry_at"]):
                     g["run"] = g["actor"].run.remote(self.per_call)
@@ -115,6 +115,24 @@ class GeneratorPool:
                 time.sleep(0.2)
             if deadline is not None and time.time() > deadline:
                 raise TimeoutError(f"rollout server: not finished after {timeout_s} s")
+
+    def _started(self, wid: str) -> None:
+        """A generator added without waiting answered: ready, or its start failed (it is removed, the
+        cause counted; with no generator left, the run stops with it)."""
+        g = self.generators[wid]
+        try:
+            placement.get(g["info"], self.timeout, f"generator {wid}")
+            g["ready"] = True
+            return
+        except ray.exceptions.RayActorError as e:
+            why = f"failed to start: {placement.cause(e)[:300]}"
+        self.failure_causes[why] = self.failure_causes.get(why, 0) + 1
+        self.stats["failed_starts"] += 1
+        ray.kill(g["actor"], no_restart=True)
+        placement.remove(g["pg"])
+        del self.generators[wid]
+        if not self.generators:
+            raise RuntimeError(f"rollout server: generator {wid} {why}; no generator is left")
 
     def _finished_run(self, wid: str, ref) -> None:
         g = self.generators.get(wid)

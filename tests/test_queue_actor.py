@@ -306,3 +306,33 @@ def test_the_pool_makes_a_rejoin_that_ray_failed_again(fault, survives):
         with pytest.raises(ValueError, match="duplicate"):
             pool.watch(timeout_s=T, rejoin=rejoin)
     ray.kill(q)
+
+
+@ray.remote(num_cpus=0)
+class _Unstartable:
+    def __init__(self):
+        raise ValueError("no_such_engine_arg")
+
+    def info(self):
+        return {}
+
+
+def test_the_pool_removes_a_generator_whose_start_failed():
+    """A generator added without waiting (as an autoscaled one is) whose start failed is removed with its
+    placement group and the cause counted, not marked ready and run again every second; with no
+    generator left, the watch stops with the cause."""
+    from ray.util.placement_group import placement_group_table
+
+    from actors import placement
+    from actors.pool import GeneratorPool
+    q = _AwaitingServer.remote()                      # never finished: only the failure ends the watch
+    pool = GeneratorPool("model", q, "q-unstartable", "minirl", {}, resources={"CPU": 1}, call_timeout_s=T)
+    pg = placement.create([{"CPU": 0.01}], strategy="STRICT_PACK", name="q-unstartable-gen-x")
+    actor = _Unstartable.remote()
+    pool.generators["gen-x"] = {"actor": actor, "pg": pg, "ready": False, "run": None,
+                                "info": actor.info.remote(), "retry_at": 0.0}
+    with pytest.raises(RuntimeError, match="generator gen-x failed to start: .*no_such_engine_arg.*no generator is left"):
+        pool.watch(timeout_s=T)
+    assert pool.stats["failed_starts"] == 1 and pool.stats["lost_runs"] == 0 and not pool.generators
+    assert placement_group_table()[pg.id.hex()]["state"] == "REMOVED"
+    ray.kill(q)
