@@ -1,10 +1,12 @@
 """minirl.distributed's rendezvous port (CPU, no Ray): held from the moment it is named, so two runs
-on one host never race for it, and shared by the process group this process builds on it.
+on one host never race for it, and shared by the process group this process builds on it; and a
+queue error on rank 0 of a multi-rank async trainer raised on every rank (two gloo processes).
 
 Run: `pytest tests/test_distributed.py`. Hardware: CPU.
 """
 
 import socket
+import time
 
 import pytest
 import torch.distributed as dist
@@ -22,3 +24,46 @@ def test_the_rendezvous_port_is_held_from_the_moment_it_is_named():
     shared, rank, world = next(dist.rendezvous(f"tcp://127.0.0.1:{store.port}?rank=0&world_size=1"))
     shared.set("k", "v")
     assert (rank, world) == (0, 1) and store.get("k") == b"v"
+
+
+def _pull_where_rank0_fails(rank: int, port: int, out) -> None:
+    """One rank of test_a_failed_pull_on_rank_0_raises_on_every_rank (spawned)."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from actors.training import TrainWorker
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=30))
+    worker = object.__new__(TrainWorker)          # only what pull_rollouts reads
+    worker.rank, worker.batch_size, worker.pull_timeout, worker.trained_uids = (
+        SimpleNamespace(rank=rank, world_size=2), 1, 1.0, [])
+    worker.queue = SimpleNamespace(get=None)
+
+    def unreachable(method, *args, wait_s=0.0):
+        raise TimeoutError("rollout queue did not answer within 601 s")
+    worker._q = unreachable
+    t0 = time.time()
+    try:
+        next(worker.pull_rollouts())
+        out[rank] = ("no error", "", time.time() - t0)
+    except Exception as e:
+        out[rank] = (type(e).__name__, str(e), time.time() - t0)
+    while rank == 0 and 1 not in out and time.time() - t0 < 40:   # an actor lives on after its call failed
+        time.sleep(0.1)
+    dist.destroy_process_group()
+
+
+def test_a_failed_pull_on_rank_0_raises_on_every_rank():
+    """Rank 0 pulls for every rank: when its queue call fails, the other ranks raise its error at once
+    instead of waiting in the broadcast until the process group's timeout."""
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_pull_where_rank0_fails, args=(port, out), nprocs=2, join=True)
+    assert out[0][:2] == ("TimeoutError", "rollout queue did not answer within 601 s")
+    assert out[1][0] == "RuntimeError" and "rank 0 could not pull rollouts: TimeoutError: rollout queue" in out[1][1]
+    assert out[1][2] < 20, out[1]            # not the group's 30 s timeout
