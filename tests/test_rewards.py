@@ -75,6 +75,7 @@ def test_extract_answer_without_number_fallback(text, expected):
     ("f(x) = x^2", "x^2"), ("3 + 4 = 7", "7"), ("x = 2, y = 3", "y=3, x=2"),  # a name's or a sum's `=`
     ("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}"), ("2\\sqrt{3}", "\\sqrt{12}"),
     ("\\sqrt{2}+\\sqrt{3}", "\\sqrt{5+2\\sqrt{6}}"), ("2^{10}", "1024"), ("10^{-2}", "0.01"),
+    ("2^{1/2}", "\\sqrt{2}"), ("8^{1/3}", "2"), ("4^{-\\frac{1}{2}}", "0.5"),    # fractional exponents
     ("\\left(3\\right)", "3"), ("2\\pi r", "2 r \\pi"), ("x^2+2x+1", "(x+1)^2"),
     ("3 \\cdot 4", "12"), ("(1, 2)", "(1,2)"), ("\\text{(B)}", "(B)"),
     ("007", "7"), ("7.0", "7"), ("-7", "-7.00"), ("-.5", "-1/2"), ("1.5/3", "0.5"),  # exact, no sympy
@@ -113,7 +114,7 @@ def test_math_not_equal(a, b):
 
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("a", [
-    "9^{9^{9^{9}}}", "1e999999999", "2\n1e999999999", "(a+b+c+d+e+f+g+h)^{10}",
+    "9^{9^{9^{9}}}", "9^{9^{9}/2}", "2^{99999999/2}", "1e999999999", "2\n1e999999999", "(a+b+c+d+e+f+g+h)^{10}",
     "(x+1)^{100000}",
     "\\dfrac{5^{\\left(5^{\\left(5^{\\left(5^5\\right)}\\right)} - 4\\right)} - 5}{16}",
     "(a+b+c+d)^2 (e+f+g+h)^2 (i+j+k+l)^2 (m+n+o+p)^2 (q+r+s+t)^2",

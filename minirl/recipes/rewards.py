@@ -139,12 +139,25 @@ def _to_sympy(s: str):
               global_dict={"__builtins__": {}, **{n: getattr(sympy, n) for n in names}})
     with contextlib.suppress(Exception):    # sympy raises many types (SyntaxError, TokenError, ...)
         expr = sp.parse_expr(s, evaluate=False, **kw)
-        pows = expr.atoms(sympy.Pow)
+        rationals = [_rational(p.exp) for p in expr.atoms(sympy.Pow)]
         digits = max(len(str(n.p)) for n in expr.atoms(sympy.Rational) | {sympy.S.One})
-        exps = math.prod(max(abs(p.exp.p), 1) for p in pows if p.exp.is_Rational)
-        if all(p.exp.is_Rational for p in pows) and exps <= 10**4 and exps * digits <= 10**5:
+        exps = math.prod(max(abs(r.p), 1) for r in rationals if r is not None)
+        if None not in rationals and exps <= 10**4 and exps * digits <= 10**5:
             return sp.parse_expr(s, **kw)   # values of at most ~10**5 digits (a 190-digit number^9999: 0.6 s)
     return None
+
+
+def _rational(e):
+    """An unevaluated exponent's value where it is a number like 3, -2 or 1/2 (written a/b it parses
+    as a * b**-1); None for anything else (a symbol, a power in the exponent)."""
+    import sympy
+    if e.is_Rational:
+        return e
+    if e.free_symbols or any(not (q.exp == -1 and q.base.is_Integer) for q in e.atoms(sympy.Pow)) \
+            or not all(a.is_Integer for a in e.atoms(sympy.Number)):
+        return None
+    v = e.doit()
+    return v if v.is_Rational else None
 
 
 def _sympy_equal(ea, eb) -> bool:
