@@ -32,7 +32,8 @@ def eval_metrics(greedy: list[tuple[float, int, str]], sampled: list[list[tuple[
     return {"eval/pass@1": sum(r >= correct for r, _, _ in greedy) / len(greedy),
             "eval/reward_mean": sum(r for r, _, _ in greedy) / len(greedy),
             "eval/sampled_pass@1": sum(h / len(g) for h, g in zip(hits, sampled)) / len(sampled),
-            f"eval/pass@{k}": sum(pass_at_k(len(g), h, k) for h, g in zip(hits, sampled)) / len(sampled),
+            **({} if k == 1 else          # sampled pass@1 is eval/sampled_pass@1: keep the greedy eval/pass@1
+               {f"eval/pass@{k}": sum(pass_at_k(len(g), h, k) for h, g in zip(hits, sampled)) / len(sampled)}),
             "eval/len_mean": sum(n for _, n, _ in everything) / len(everything),
             "eval/truncated": sum(f == "length" for _, _, f in everything) / len(everything),
             "eval/prompts": len(greedy)}

@@ -256,6 +256,12 @@ def test_eval_metrics_hand_worked():
         eval_metrics(greedy[:1], sampled, k=2)
 
 
+def test_eval_metrics_k1_keeps_greedy_pass_at_1():
+    """k=1 (--eval-k 1): eval/pass@1 stays the greedy score, not the sampled one written over it."""
+    m = eval_metrics([(1.0, 3, "stop")], [[(0.0, 2, "stop"), (0.0, 4, "stop")]], k=1)
+    assert m["eval/pass@1"] == 1.0 and m["eval/sampled_pass@1"] == 0.0
+
+
 # ------------------------------------------------------------------------------------ end to end
 
 @pytest.mark.slow
