@@ -10,6 +10,7 @@ Pure torch + peft (`pip install -e ".[lora]"`); CPU or GPU.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,9 @@ class LoRAConfig:
     def check(self) -> None:
         if self.rank < 1:
             raise ValueError(f"LoRAConfig.rank must be >= 1, got {self.rank}")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"LoRAConfig.alpha must be a finite number > 0 (the update is scaled by alpha / rank; "
+                             f"0 trains nothing), got {self.alpha}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"LoRAConfig.dropout must be in [0, 1), got {self.dropout}")
         if not self.target_modules:

@@ -35,6 +35,9 @@ def test_merge_bucket_by_hand():
     assert out["m.q.weight"].tolist() == [[3., 4.], [0., 1.]]
     with pytest.raises(ValueError, match="rank must be >= 1"):
         LoRAConfig(rank=0).check()
+    for alpha in (0.0, float("nan")):       # scale 0 (or NaN): B @ A never reaches the output, nothing trains
+        with pytest.raises(ValueError, match="alpha must be a finite number > 0"):
+            LoRAConfig(alpha=alpha).check()
 
 
 def test_an_adapter_on_a_tied_lm_head_is_refused(tiny_model, tmp_path):
