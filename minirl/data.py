@@ -51,6 +51,9 @@ class Rollout:
                         ("loss_mask entries", C if self.loss_mask is None else len(self.loss_mask))):
             if n != C:
                 raise ValueError(f"{n} {what} for {C} completion tokens (uid={self.uid!r})")
+        if self.loss_mask is not None and not set(self.loss_mask) <= {0, 1}:
+            raise ValueError(f"loss_mask entries must be 0 or 1, got {set(self.loss_mask) - {0, 1}} "
+                             f"(uid={self.uid!r}): pack() counts any nonzero entry as 1, collate() as its value")
         if not self.prompt_ids:
             raise ValueError(f"empty prompt (uid={self.uid!r}): a causal LM needs >= 1 prompt token")
         if not all(map(math.isfinite, [self.reward, self.advantage, *self.sampling_logprobs])):

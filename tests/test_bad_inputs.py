@@ -87,6 +87,7 @@ DATA = [
     ("rollout-empty-prompt", lambda: _rollout(prompt_ids=[]), ValueError, "empty prompt"),
     ("rollout-logprob-count", lambda: _rollout(sampling_logprobs=[-0.5]), ValueError, "sampling log-probs"),
     ("rollout-mask-count", lambda: _rollout(loss_mask=[1]), ValueError, "loss_mask entries"),
+    ("rollout-mask-values", lambda: _rollout(loss_mask=[0.5, 1]), ValueError, "loss_mask entries must be 0 or 1"),
     ("rollout-nan-reward", lambda: _rollout(reward=NAN), ValueError, "NaN or inf"),
     ("rollout-inf-logprob", lambda: _rollout(sampling_logprobs=[-INF, -1.0]), ValueError, "NaN or inf"),
     ("parse-a-string", lambda: parse_vllm_outputs("1+1=", 2, lambda p, c: 0.0), TypeError,
