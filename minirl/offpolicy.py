@@ -26,6 +26,11 @@ def decoupled_loss_fn(correction: str = "tis", *, clip_low: float = 0.2, clip_hi
     Reports clip_frac / approx_kl / ratio against the sampler (as ppo_loss_fn) and is_weight."""
     if correction not in ("tis", "mis"):
         raise ValueError(f"correction={correction!r}: choose 'tis' (truncated weights) or 'mis' (masked)")
+    if correction == "tis" and not cap > 0:              # weights min(ratio, cap) <= 0: the gradient flips or vanishes
+        raise ValueError(f"TIS cap must be > 0 (weights are min(pi_prox / pi_sampler, cap)), got {cap}; e.g. 2.0")
+    if correction == "mis" and not 0 <= low <= high:     # low > high masks every token
+        raise ValueError(f"MIS keeps tokens with low <= pi_prox / pi_sampler <= high: need 0 <= low <= high, "
+                         f"got low={low}, high={high}; e.g. 0.5 and 2.0")
 
     def loss_fn(logprobs, batch, logits):
         old, adv = batch.old_logprobs, batch.advantages                    # (n,), (n,): sampler's

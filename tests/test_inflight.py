@@ -228,6 +228,15 @@ def test_decoupled_loss_hand_worked():
         decoupled_loss_fn("is")
 
 
+def test_decoupled_loss_refuses_weights_that_flip_or_drop_every_token():
+    """cap <= 0 gives weights <= 0 (the gradient flipped or gone), low > high masks every token: refused."""
+    for kw, phrase in (({"cap": -1.0}, "cap must be > 0"), ({"cap": 0.0}, "cap must be > 0")):
+        with pytest.raises(ValueError, match=phrase):
+            decoupled_loss_fn("tis", **kw)
+    with pytest.raises(ValueError, match="low <= high"):
+        decoupled_loss_fn("mis", low=2.0, high=0.5)
+
+
 def test_staleness_metrics_histogram_and_spans():
     def r(v, span):
         return Rollout(prompt_ids=[1], completion_ids=[2], sampling_logprobs=[0.0], reward=0.0, policy_version=v,
