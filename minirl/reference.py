@@ -10,6 +10,8 @@ KL(pi_theta || pi_ref) (minirl.core.kl_k1/k2/k3) on the tokens the sampler drew.
 
 from __future__ import annotations
 
+import math
+
 from minirl.core import kl_k1, kl_k2, kl_k3
 
 ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
@@ -20,8 +22,8 @@ def kl_penalty(loss_fn, *, coef: float, estimator: str = "k3"):
     is 0: the KL is then logged, not trained on). The batch must carry ref_logprobs."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"KL estimator {estimator!r}: choose one of {sorted(ESTIMATORS)}")
-    if coef < 0:
-        raise ValueError(f"KL coefficient must be >= 0, got {coef}")
+    if not 0 <= coef < math.inf:
+        raise ValueError(f"KL coefficient must be a finite number >= 0, got {coef}")
     kl = ESTIMATORS[estimator]
 
     def with_kl(logprobs, batch, logits):

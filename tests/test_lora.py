@@ -72,6 +72,9 @@ def test_kl_penalty_by_hand():
         kl_penalty(base, coef=0.1)(lp, Batch, None)
     with pytest.raises(ValueError, match="choose one of"):
         kl_penalty(base, coef=0.1, estimator="k4")
+    for coef in (float("nan"), float("inf")):     # a NaN loss at the first token (inf * k3 = inf * 0 = NaN)
+        with pytest.raises(ValueError, match="finite number >= 0"):
+            kl_penalty(base, coef=coef)
 
 
 def test_memory_estimate_by_hand_and_the_error(tiny_model):
