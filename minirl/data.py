@@ -195,9 +195,9 @@ def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, 
     pairs = [pair for group in groups for pair in group]      # decoded below in this order
     check_per_prompt(len(groups), metadata=metadata, uids=uids)
     version, dev = int(policy_version), str(device)
-    texts = None
-    if tokenizer is not None and any(not c.text and c.token_ids for _, c in pairs):
-        texts = iter(tokenizer.batch_decode([list(c.token_ids) for _, c in pairs], skip_special_tokens=True))
+    untexted = [list(c.token_ids) for _, c in pairs if not c.text and c.token_ids]   # detokenize=False
+    texts = iter(tokenizer.batch_decode(untexted, skip_special_tokens=True)
+                 if tokenizer is not None and untexted else ())
     batches = []
     for gi, group in enumerate(groups):
         uid = gi if uids is None else uids[gi]
@@ -207,7 +207,7 @@ def parse_vllm_outputs(outputs: Sequence, group_size: int, reward_fn: Callable, 
                 raise ValueError(f"no sampling log-probs for prompt {out.prompt!r} (uid={uid!r}): "
                                  "generate with SamplingParams(..., logprobs=0)")
             lps = [comp.logprobs[i][t].logprob for i, t in enumerate(comp.token_ids)]  # {id: Logprob}
-            text = comp.text if texts is None else next(texts)
+            text = comp.text if comp.text or not comp.token_ids or tokenizer is None else next(texts)
             args = (out.prompt, text) if metadata is None else (out.prompt, text, metadata[gi])
             try:
                 value = reward_fn(*args)

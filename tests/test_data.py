@@ -207,3 +207,22 @@ def test_batch_advantages_and_masks():
     # prompt P=2 -> completion log-probs sit at entries 1, 2 of the (T-1)=3 positions
     assert batch.loss_mask.tolist() == [[0, 1, 0]] * 4
     assert batch.old_logprobs.tolist() == [[0, -1.0, -2.0]] * 4
+
+
+def test_tokenizer_decodes_only_the_completions_without_text():
+    """With a tokenizer, an empty-text completion (say EOS at once) is decoded; the engine's text of
+    the others (cut at a stop string) is kept, not replaced by the decode of all their tokens."""
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    class Tok:
+        def batch_decode(self, seqs, skip_special_tokens=True):
+            return [" ".join(map(str, s)) for s in seqs]
+    comps = [CompletionOutput(index=i, text=text, token_ids=ids, cumulative_logprob=-0.1,
+                              logprobs=[{t: Logprob(-0.1)} for t in ids], finish_reason="stop")
+             for i, (text, ids) in enumerate((("42", [7, 8, 9]), ("", [2])))]    # "42", then the stop string
+    out = RequestOutput(request_id="0", prompt="q", prompt_token_ids=[1], prompt_logprobs=None,
+                        outputs=comps, finished=True)
+    seen = []
+    [batch] = parse_vllm_outputs([out], 2, lambda p, c: seen.append(c) or 0.0, tokenizer=Tok())
+    assert seen == ["42", "2"] and [r.completion for r in batch] == ["42", "2"]
