@@ -362,23 +362,27 @@ def estimate_memory(model: str, trainer: TrainerConfig, *, world: int = 1,
                     max_model_len: int | None = None) -> dict[str, float]:
     """Bytes one GPU needs at least, by part, before anything is built (the model is read on the
     meta device): the trainer's fp32 weights, gradients and AdamW moments (shards of `world`; 0 on
-    the device when cpu_offload; adapters only with LoRA), the reference policy (bf16 on CUDA), the
-    engine's bf16 weights + 4 GiB + a KV cache for two max_model_len-token sequences; no
-    activations. "needed" = what stays resident while generating + the larger of the gradients and
-    the engine (asleep while training). "host" = what offload keeps in host memory instead."""
+    the device when cpu_offload; with LoRA those of the adapters and the also_train modules), the
+    reference policy (bf16 on CUDA), the engine's bf16 weights + 4 GiB + a KV cache for two
+    max_model_len-token sequences; no activations. "needed" = what stays resident while generating
+    + the larger of the gradients and the engine (asleep while training). "host" = what offload
+    keeps in host memory instead."""
     from transformers import AutoConfig, AutoModelForCausalLM
     mc = AutoConfig.from_pretrained(model, trust_remote_code=trainer.trust_remote_code)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(mc, trust_remote_code=trainer.trust_remote_code)
     n = sum(p.numel() for p in meta.parameters())
     lora = trainer.lora
-    trained = n if lora is None else sum(lora.rank * (m.in_features + m.out_features) for name, m in
-                                         meta.named_modules() if isinstance(m, torch.nn.Linear)
-                                         and name.rsplit(".", 1)[-1] in lora.target_modules)
+    adapters = 0 if lora is None else sum(lora.rank * (m.in_features + m.out_features) for name, m in
+                                          meta.named_modules() if isinstance(m, torch.nn.Linear)
+                                          and name.rsplit(".", 1)[-1] in lora.target_modules)
+    full = {} if lora is None else {id(p): p.numel() for name, m in meta.named_modules()   # also_train: in full
+                                    if name.rsplit(".", 1)[-1] in lora.also_train for p in m.parameters()}
+    trained = n if lora is None else adapters + sum(full.values())
     on_device = 0 if trainer.cpu_offload else 1
     separate_ref = trainer.reference and not (lora and not lora.also_train)
     engine, per_token = _engine(n, mc, 2)
-    state = {"weights": 4 * (n if lora is None else n + trained) / world, "gradients": 4 * trained / world,
+    state = {"weights": 4 * (n + adapters) / world, "gradients": 4 * trained / world,
              "optimizer": 8 * trained / world}                      # on the device, or on the host with offload
     est = {k: v * on_device for k, v in state.items()} | {
         "reference": 2 * n / world * (separate_ref and not trainer.reference_offload),

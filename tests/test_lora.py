@@ -105,6 +105,20 @@ def test_memory_estimate_by_hand_and_the_error(tiny_model):
     assert "LoRA" in msg and "cpu_offload=True" in msg and "reference_offload=True" in msg
 
 
+def test_memory_estimate_counts_also_train_modules_as_trained(tiny_model):
+    # LoRA rank 4 on q and v (4,096 adapter parameters) with also_train=("embed_tokens",): the
+    # tied 64 x 128 embeddings (8,192) train in full too, with gradients and AdamW state, as the
+    # trainer's trainable parameters show; the weights hold the model and the adapters once.
+    n = 8192 + 2 * 164224 + 128
+    cfg = TrainerConfig(lora=LoRAConfig(rank=4, target_modules=("q_proj", "v_proj"), also_train=("embed_tokens",)))
+    est = estimate_memory(tiny_model, cfg)
+    tr = Trainer(tiny_model, cfg)
+    trained = sum(p.numel() for p in tr.model.parameters() if p.requires_grad)
+    tr.close()
+    assert trained == 4096 + 8192 == est["trained_params"]
+    assert (est["weights"], est["gradients"], est["optimizer"]) == (4 * (n + 4096), 4 * trained, 8 * trained)
+
+
 def test_reference_and_offload_trainer(tiny_model):
     """Full fine-tuning with a separate (offloaded) reference: KL 0 until the policy moves, then
     positive; the reference stays frozen; offload's configuration path builds and trains."""
