@@ -69,6 +69,11 @@ class WeightManager:
         if cfg.sleep_level not in (None, 0, 2):
             raise ValueError(f"sleep_level must be None (planned), 0 (resident) or 2 (sleep, weights "
                              f"discarded), got {cfg.sleep_level}")
+        if cfg.kv_cache_gib is not None and (sized := [k for k in ("gpu_memory_utilization", "kv_cache_memory_bytes")
+                                                      if k in llm_kwargs]):
+            raise ValueError(f"kv_cache_gib={cfg.kv_cache_gib} and {sized[0]}={llm_kwargs[sized[0]]} both size the "
+                             "engine's KV cache (an engine sized by the user is left as given, so kv_cache_gib "
+                             "would be ignored): give one of them")
         check_model_path(model)       # what can be checked before any heavy work
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         if cfg.offload_optimizer and (device.type != "cuda" or cfg.sleep_level == 0):

@@ -143,6 +143,10 @@ def test_generate_after_as_trainable_is_an_error(wm):
     (dict(enable_sleep_mode=True), ValueError, "no sleep mode on CPU"),
     (dict(distributed_executor_backend="mp"), ValueError, "external_launcher"),
     (dict(config=WeightManagerConfig(offload_optimizer=True)), ValueError, "on CPU: the state is in host memory"),
+    (dict(config=WeightManagerConfig(kv_cache_gib=2.0), gpu_memory_utilization=0.5), ValueError,
+     "kv_cache_gib=2.0 and gpu_memory_utilization"),
+    (dict(config=WeightManagerConfig(kv_cache_gib=2.0), kv_cache_memory_bytes=2**30), ValueError,
+     "kv_cache_gib=2.0 and kv_cache_memory_bytes"),
 ])
 def test_bad_arguments_fail_before_any_work(tiny_model, kwargs, err, msg, monkeypatch):
     """Refused before the model loads (a Trainer built would be work done: here it fails the test)."""
