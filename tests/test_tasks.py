@@ -146,6 +146,22 @@ def test_load_task_field_mapping_and_code_references(tmp_path):
         load_task("code", data=_write(tmp_path, "parquet", bad), prompt_key="text", answer_key="checks")
 
 
+def test_load_task_refuses_a_missing_or_non_text_prompt(tmp_path):
+    """A row without the prompt field (JSONL reads it as null) or with a list or an empty string in it
+    would train on the text "None", the list's repr or the instruction alone: refused, naming the row."""
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text(json.dumps({"question": "q0", "answer": "#### 0"}) + "\n" + json.dumps({"answer": "#### 1"}) + "\n")
+    with pytest.raises(TypeError, match=r"missing\.jsonl row 1: the prompt field must be a str, got NoneType"):
+        load_task("gsm8k", data=missing)
+    listed = [{"text": ["add", "one"], "checks": ["assert f(1) == 2"]}]
+    with pytest.raises(TypeError, match=r"row 0: the prompt field must be a str, got list"):
+        load_task("code", data=_write(tmp_path, "parquet", listed), prompt_key="text", answer_key="checks")
+    bad = tmp_path / "bad.csv"
+    bad.write_text("question,answer\nq1,72\n,3\n")
+    with pytest.raises(ValueError, match=r"bad\.csv row 1: the prompt field is empty"):
+        load_task("gsm8k", data=bad)
+
+
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and not enable_thinking %}"
             "<think></think>{% endif %}{% endif %}")

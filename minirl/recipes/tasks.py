@@ -174,6 +174,14 @@ def render(question: str, tokenizer=None, *, system_prompt: str | None = None,
                                          add_generation_prompt=True, **kw)
 
 
+def _check_prompt(path, i: int, prompt) -> None:
+    if not isinstance(prompt, str):
+        raise TypeError(f"{path} row {i}: the prompt field must be a str, got {type(prompt).__name__}: "
+                        f"{prompt!r:.80}")
+    if not prompt.strip():
+        raise ValueError(f"{path} row {i}: the prompt field is empty")
+
+
 def _check_reference(name: str, path, i: int, ref) -> None:
     ok = (isinstance(ref, str) or (isinstance(ref, list) and ref and all(isinstance(t, str) for t in ref))
           if name == "code" else isinstance(ref, (str, int, float)) and not isinstance(ref, bool))
@@ -221,8 +229,9 @@ def load_task(name: str, *, data=None, tokenizer=None, prompt_key: str | None = 
     instr = spec.instruction if instruction is None else instruction
     pairs = []
     for i, row in enumerate(rows):
+        _check_prompt(data, i, row[pk])
         _check_reference(name, data, i, row[ak])
-        question = f"{row[pk]}\n{instr}" if instr else str(row[pk])
+        question = f"{row[pk]}\n{instr}" if instr else row[pk]
         pairs.append((render(question, tokenizer, system_prompt=system_prompt, thinking=thinking), row[ak]))
     random.Random(seed).shuffle(pairs)
     train = pairs[eval_size:]
