@@ -123,10 +123,13 @@ def _plan(trainer: Trainer, kw: dict, cfg) -> MemoryPlan:
     n_params = sum(p.numel() for p in trainer.model.parameters())
     if trainer.device.type != "cuda":
         import psutil
-        need = n_params * 20 / trainer.rank.world_size + kw.get("kv_cache_memory_bytes", vc.DEFAULT_CPU_KV_CACHE_BYTES)
-        if need > (avail := psutil.virtual_memory().available):
-            raise MemoryError(f"the model does not fit in RAM: training + engine need ~{need / GIB:.1f} GiB, "
-                              f"{avail / GIB:.1f} GiB is available. Use a smaller model or more machines.")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))      # fp32 training state sharded, an engine a rank
+        need = n_params * (16 / trainer.rank.world_size + 4) + kw.get("kv_cache_memory_bytes",
+                                                                      vc.DEFAULT_CPU_KV_CACHE_BYTES)
+        if need > (avail := psutil.virtual_memory().available / local):
+            raise MemoryError(f"the model does not fit in RAM: training + engine need ~{need / GIB:.1f} GiB a rank, "
+                              f"{avail / GIB:.1f} GiB is available to each of this host's {local} rank(s). Use a "
+                              "smaller model or more machines.")
         return _as_loaded(trainer)
     user_sized = "gpu_memory_utilization" in kw or "kv_cache_memory_bytes" in kw
     level = 2 if cfg.sleep_level is None else cfg.sleep_level        # offload_optimizer with 0: refused before

@@ -389,6 +389,26 @@ def test_the_memory_plan_sends_adamw_to_the_host_when_only_that_fits_the_engine(
         _stood_in_plan(monkeypatch, 8, 30, host_gib=host_gib, offload_optimizer=offload)
 
 
+def test_the_cpu_memory_check_counts_an_engine_per_rank_and_shares_the_host(monkeypatch):
+    """On CPU each rank holds its shard of the fp32 weights, gradients and AdamW state (16 bytes a
+    parameter over the ranks) beside an fp32 engine of its own (4 bytes a parameter, unsharded) and
+    its KV cache, and the ranks on one host share its memory: 1B parameters over 2 ranks of one host
+    need 8 + 4 GB + 0.25 GiB = 11.4 GiB a rank, more than the 8 GiB each has of 16 GiB."""
+    import types
+
+    import psutil
+
+    from minirl import memory
+    from minirl.memory import GIB
+    model = types.SimpleNamespace(parameters=lambda: [types.SimpleNamespace(numel=lambda: 10**9)])
+    trainer = types.SimpleNamespace(model=model, rank=types.SimpleNamespace(world_size=2), device=torch.device("cpu"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=16 * GIB))
+    with pytest.raises(MemoryError, match=r"training \+ engine need ~11.4 GiB a rank, 8.0 GiB is available to each "
+                                          r"of this host's 2 rank\(s\)"):
+        memory.plan(trainer, {}, WeightManagerConfig())
+
+
 planned: list = []   # the largest micro-batch each stood-in plan let measure_peak choose
 
 
