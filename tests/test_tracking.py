@@ -177,6 +177,9 @@ def test_plot_metrics_png(tmp_path):
     assert out == tmp_path / "plots" / "m.png"
     data = out.read_bytes()
     assert data[:8] == PNG_MAGIC and len(data) > 1000
+    with pytest.raises(ValueError, match=r"no metric 'los' in .*metrics\.jsonl; keys present: .*'loss'"):
+        plot_metrics(jsonl, tmp_path / "plots" / "typo.png", keys=["los"])     # not an empty panel
+    assert not (tmp_path / "plots" / "typo.png").exists()
 
 
 def test_cli_plot(tmp_path):

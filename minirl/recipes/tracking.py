@@ -140,10 +140,12 @@ def read_metrics(jsonl_path) -> list[dict]:
 
 def plot_metrics(jsonl_path, out_png, *, keys=None) -> Path:
     """One PNG: a subplot of reward/* curves, one of eval/pass@* curves, one of time/* curves, one per
-    extra key in `keys` (headless)."""
+    extra key in `keys` (headless); ValueError naming a key in `keys` that no record holds."""
     from matplotlib.figure import Figure
     records = read_metrics(jsonl_path)
     names = sorted({k for r in records for k in r if k not in RESERVED})
+    if missing := [k for k in keys or [] if k not in names]:
+        raise ValueError(f"no metric {missing[0]!r} in {jsonl_path}; keys present: {names}")
     prefixes = ("reward/", "eval/pass@", "time/")
     panels = [(t.strip("/@"), [k for k in names if k.startswith(t)]) for t in prefixes]
     panels = [p for p in panels if p[1]] + [(k, [k]) for k in (keys or [])]
