@@ -366,10 +366,10 @@ def estimate_memory(model: str, trainer: TrainerConfig, *, world: int = 1,
     """Bytes one GPU needs at least, by part, before anything is built (the model is read on the
     meta device): the trainer's fp32 weights, gradients and AdamW moments (shards of `world`; 0 on
     the device when cpu_offload; with LoRA those of the adapters and the also_train modules), the
-    reference policy (bf16 on CUDA), the engine's bf16 weights + 4 GiB + a KV cache for two
-    max_model_len-token sequences; no activations. "needed" = what stays resident while generating
-    + the larger of the gradients and the engine (asleep while training). "host" = what offload
-    keeps in host memory instead."""
+    reference policy and the engine's weights (bf16 on CUDA, fp32 with mixed_precision="fp32") + 4
+    GiB + a KV cache for two max_model_len-token sequences; no activations. "needed" = what stays
+    resident while generating + the larger of the gradients and the engine (asleep while training).
+    "host" = what offload keeps in host memory instead."""
     from transformers import AutoConfig, AutoModelForCausalLM
     mc = AutoConfig.from_pretrained(model, trust_remote_code=trainer.trust_remote_code)
     with torch.device("meta"):
@@ -384,14 +384,15 @@ def estimate_memory(model: str, trainer: TrainerConfig, *, world: int = 1,
     trained = n if lora is None else adapters + sum(full.values())
     on_device = 0 if trainer.cpu_offload else 1
     separate_ref = trainer.reference and not (lora and not lora.also_train)
-    engine, per_token = _engine(n, mc, 2)
+    dsize = 4 if trainer.mixed_precision == "fp32" else 2          # the compute dtype: engine and reference
+    engine, per_token = _engine(n, mc, dsize)
     state = {"weights": 4 * (n + adapters) / world, "gradients": 4 * trained / world,
              "optimizer": 8 * trained / world}                      # on the device, or on the host with offload
     est = {k: v * on_device for k, v in state.items()} | {
-        "reference": 2 * n / world * (separate_ref and not trainer.reference_offload),
+        "reference": dsize * n / world * (separate_ref and not trainer.reference_offload),
         "engine": engine + 2 * (max_model_len or mc.max_position_embeddings) * per_token,
         "params": n, "trained_params": trained,
-        "host_reference": 2 * n / world * (separate_ref and trainer.reference_offload)}
+        "host_reference": dsize * n / world * (separate_ref and trainer.reference_offload)}
     est["host"] = sum(state.values()) * (1 - on_device) + est["host_reference"]
     resident = est["weights"] + est["optimizer"] + est["reference"]
     return est | {"needed": resident + max(est["gradients"], est["engine"])}

@@ -119,6 +119,16 @@ def test_memory_estimate_counts_also_train_modules_as_trained(tiny_model):
     assert (est["weights"], est["gradients"], est["optimizer"]) == (4 * (n + 4096), 4 * trained, 8 * trained)
 
 
+def test_memory_estimate_of_an_fp32_run_counts_fp32_engine_and_reference(tiny_model):
+    # mixed_precision="fp32" computes in fp32: the engine (its dtype the trainer's compute dtype) and
+    # the reference hold 4 bytes a parameter, and a KV cache entry twice a bf16 one.
+    bf16 = estimate_memory(tiny_model, TrainerConfig(reference=True), max_model_len=128)
+    fp32 = estimate_memory(tiny_model, TrainerConfig(reference=True, mixed_precision="fp32"), max_model_len=128)
+    n = bf16["params"]
+    assert fp32["reference"] == 2 * bf16["reference"] == 4 * n
+    assert fp32["engine"] - 4 * GIB == 2 * (bf16["engine"] - 4 * GIB)
+
+
 def test_reference_and_offload_trainer(tiny_model):
     """Full fine-tuning with a separate (offloaded) reference: KL 0 until the policy moves, then
     positive; the reference stays frozen; offload's configuration path builds and trains."""
