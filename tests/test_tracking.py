@@ -195,6 +195,9 @@ def test_cli_plot(tmp_path):
     res = subprocess.run([sys.executable, "-m", "minirl.recipes.tracking", "plot", str(tmp_path / "empty")],
                          cwd=root, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "no metrics at" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    res = subprocess.run([sys.executable, "-m", "minirl.recipes.tracking", "plot", str(tmp_path / "run"),
+                          "--keys", "los"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "no metric 'los'" in res.stderr and "Traceback" not in res.stderr, res.stderr
 
 
 def test_resume_drops_the_steps_logged_after_the_checkpoint(tmp_path):

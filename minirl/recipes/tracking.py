@@ -177,7 +177,10 @@ def main(argv=None):
     jsonl = Path(args.path) / "metrics.jsonl" if Path(args.path).is_dir() else Path(args.path)
     if not jsonl.is_file():
         ap.error(f"no metrics at {jsonl}: give a run dir (launch --run-dir) or its metrics.jsonl")
-    print(plot_metrics(jsonl, args.out or jsonl.with_name("metrics.png"), keys=args.keys))
+    try:
+        print(plot_metrics(jsonl, args.out or jsonl.with_name("metrics.png"), keys=args.keys))
+    except ValueError as e:       # nothing to plot, or a key no record holds: a usage error, no traceback
+        ap.error(str(e))
 
 
 if __name__ == "__main__":
