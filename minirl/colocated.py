@@ -229,6 +229,7 @@ class WeightManager:
         (checksum, probe log-probs, version) to verify, or None when not verifying."""
         t0 = time.perf_counter()
         version = self.trainer.publish()
+        self._reload = True               # until the load is done: a sync that raised is made again
         probe = self._probe_ids if self.config.verify_sync else None
         with vc.weight_update(self.llm) as load:
             fp, lp = self.trainer.gather(load, dtype=self.engine_dtype, probe_ids=probe, names=self._seen)

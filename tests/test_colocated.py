@@ -438,3 +438,22 @@ def _stood_in_plan(monkeypatch, free_gib: float, want: int, *, host_gib: float =
     monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=host_gib * GIB))
     p = memory.plan(trainer, {"max_num_seqs": want, "max_model_len": 1}, WeightManagerConfig(**cfg))
     return p.sleep_level, p.engine_kwargs, p.peak_bytes - p.held_bytes, p.offload_optimizer
+
+
+def test_a_load_that_failed_is_made_again_by_the_next_as_vllm(wm, monkeypatch):
+    """The engine's load raised midway: the next as_vllm() loads the trainer's weights again
+    (before, the version was published and the next call returned the engine with its old weights)."""
+    _step(wm)
+
+    @contextlib.contextmanager
+    def failing(llm):
+        raise RuntimeError("load failed")
+        yield
+    monkeypatch.setattr(vc, "weight_update", failing)
+    with pytest.raises(RuntimeError, match="load failed"):
+        wm.as_vllm()
+    monkeypatch.undo()
+    before = vc.fingerprint(wm.llm)
+    wm.as_vllm()
+    assert vc.fingerprint(wm.llm) != before and "sync_s" in wm.timings
+    assert wm.last_probe_gap < 2e-3
