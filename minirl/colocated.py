@@ -143,12 +143,12 @@ class WeightManager:
             if asleep:                        # the sync's buffers, cached by the trainer's allocator, too
                 torch.cuda.empty_cache()
                 self.llm.wake_up(tags=["kv_cache"])   # after the load
-            self._reload = False
             self.llm.reset_prefix_cache()
             self._mode = "generate"           # awake: as_trainable() puts it back even if the check fails
             self.timings = {**self._sleep_timing, **t}
-            if checked is not None:
+            if checked is not None:           # a failed check leaves _reload set: the next call syncs again
                 self._verify(self.timings, *checked)
+            self._reload = False
             if self.config.freeze_gc and not self._gc_frozen and self.policy_version > 0:
                 gc.collect()
                 gc.freeze()
@@ -244,7 +244,6 @@ class WeightManager:
         engine_fp = vc.fingerprint(self.llm)
         # both checksums cover the same weights (on CPU embeddings and norms only: the probe sees the rest)
         stuck = not torch.equal(trainer_fp, self._trainer_fp) and engine_fp == self._engine_fp
-        self._trainer_fp, self._engine_fp = trainer_fp, engine_fp
         gap = probe_gap(trainer_lp, vc.prompt_logprobs(self.llm, self._probe_ids))
         verdict = torch.tensor([gap, float(stuck)], device=self.device)
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX)     # every rank raises together, or none
@@ -253,6 +252,7 @@ class WeightManager:
         t["verify_s"] = time.perf_counter() - t0
         check_sync(gap, stuck, tolerance=self.config.probe_tolerance, engine_dtype=self.engine_dtype,
                    where="vLLM", version=version)
+        self._trainer_fp, self._engine_fp = trainer_fp, engine_fp     # the last sync that passed
 
 
 def _since(t0: float, cuda: bool) -> float:

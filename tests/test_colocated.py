@@ -457,3 +457,16 @@ def test_a_load_that_failed_is_made_again_by_the_next_as_vllm(wm, monkeypatch):
     wm.as_vllm()
     assert vc.fingerprint(wm.llm) != before and "sync_s" in wm.timings
     assert wm.last_probe_gap < 2e-3
+
+
+def test_a_sync_that_failed_its_check_is_checked_again_by_the_next_as_vllm(wm, monkeypatch):
+    """as_vllm() raised SyncError: calling it again syncs and checks again, against the last weights
+    that passed (before, it returned the engine that had failed, as if it held the latest weights)."""
+    _step(wm)
+    monkeypatch.setattr(vc, "weight_update", _Sabotage(wm, "noop"))
+    for _ in range(2):
+        with pytest.raises(SyncError, match="changed nothing"):
+            wm.as_vllm()
+    monkeypatch.undo()
+    wm.as_vllm()
+    assert wm.last_probe_gap < 2e-3
