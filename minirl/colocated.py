@@ -87,30 +87,37 @@ class WeightManager:
             memory.check_before_loading(model, cfg.trainer, llm_kwargs.get("max_model_len"))
 
         self.trainer = Trainer(model, cfg.trainer)
-        self.device, self.rank = self.trainer.device, self.trainer.rank
-        plan = self.memory_plan = memory.plan(self.trainer, llm_kwargs, cfg)    # a frozen memory.MemoryPlan
-        self.trainer.apply(plan)
-        if plan.offload_optimizer:        # the engine is built, and generates first, beside the weights only
-            self.trainer.optimizer_to_host()
-        kw = vc.engine_kwargs({**plan.engine_kwargs, **llm_kwargs}, sleep=plan.sleep_level > 0,
-                              seed=llm_kwargs.get("seed", cfg.trainer.seed) + self.rank.rank)
-        kw.setdefault("trust_remote_code", cfg.trainer.trust_remote_code)
-        kw.setdefault("dtype", str(self.trainer.compute_dtype).removeprefix("torch."))
-        self.llm = vc.build_llm(self.trainer.path, **kw)
-        self.llm._minirl_check = self._check_generate
-        self.engine_dtype = vc.engine_dtype(self.llm)
-        self._sleep_timing: dict[str, float] = {}
-        self.timings: dict[str, float] = {}   # the last switch: sleep_s, wake_s, sync_s, verify_s, probe_gap
-        self.last_probe_gap: float | None = None
-        self._mode, self._reload = "generate", False     # _reload: the engine must reload the trainer's weights
-        self._closed = self._gc_frozen = self._slept = False
-        self._expected = vc.expected_weight_names(self.llm)
-        self._probe_ids = self.llm.get_tokenizer().encode(cfg.probe_text)
-        self._seen = vc.fingerprinted_names(self.llm)   # the trainer checksums what the engine's can see
-        if cfg.verify_sync:
-            self._trainer_fp, _ = self.trainer.gather(lambda b: None, dtype=self.engine_dtype,
-                                                      probe_ids=self._probe_ids, names=self._seen)
-            self._engine_fp = vc.fingerprint(self.llm)
+        self.llm = None
+        try:
+            self.device, self.rank = self.trainer.device, self.trainer.rank
+            plan = self.memory_plan = memory.plan(self.trainer, llm_kwargs, cfg)    # a frozen memory.MemoryPlan
+            self.trainer.apply(plan)
+            if plan.offload_optimizer:        # the engine is built, and generates first, beside the weights only
+                self.trainer.optimizer_to_host()
+            kw = vc.engine_kwargs({**plan.engine_kwargs, **llm_kwargs}, sleep=plan.sleep_level > 0,
+                                  seed=llm_kwargs.get("seed", cfg.trainer.seed) + self.rank.rank)
+            kw.setdefault("trust_remote_code", cfg.trainer.trust_remote_code)
+            kw.setdefault("dtype", str(self.trainer.compute_dtype).removeprefix("torch."))
+            self.llm = vc.build_llm(self.trainer.path, **kw)
+            self.llm._minirl_check = self._check_generate
+            self.engine_dtype = vc.engine_dtype(self.llm)
+            self._sleep_timing: dict[str, float] = {}
+            self.timings: dict[str, float] = {}   # the last switch: sleep_s, wake_s, sync_s, verify_s, probe_gap
+            self.last_probe_gap: float | None = None
+            self._mode, self._reload = "generate", False     # _reload: the engine must reload the trainer's weights
+            self._closed = self._gc_frozen = self._slept = False
+            self._expected = vc.expected_weight_names(self.llm)
+            self._probe_ids = self.llm.get_tokenizer().encode(cfg.probe_text)
+            self._seen = vc.fingerprinted_names(self.llm)   # the trainer checksums what the engine's can see
+            if cfg.verify_sync:
+                self._trainer_fp, _ = self.trainer.gather(lambda b: None, dtype=self.engine_dtype,
+                                                          probe_ids=self._probe_ids, names=self._seen)
+                self._engine_fp = vc.fingerprint(self.llm)
+        except BaseException:          # what was built goes before the error: no engine left holding memory
+            if self.llm is not None:
+                vc.shutdown(self.llm)
+            self.trainer.close()
+            raise
 
     model = property(lambda self: self.trainer.model)
     optimizer = property(lambda self: self.trainer.optimizer)

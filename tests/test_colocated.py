@@ -470,3 +470,13 @@ def test_a_sync_that_failed_its_check_is_checked_again_by_the_next_as_vllm(wm, m
     monkeypatch.undo()
     wm.as_vllm()
     assert wm.last_probe_gap < 2e-3
+
+
+def test_a_failed_setup_leaves_no_engine_or_trainer_behind(tiny_model):
+    """WeightManager() raised after its engine was built: the engine is shut down and the trainer
+    closed before the error (before, both stayed alive, the engine's memory with them)."""
+    from minirl import trainer as trainer_module
+    engines, trainers = set(vc._LIVE), set(trainer_module._OPEN)
+    with pytest.raises(Exception):
+        WeightManager(tiny_model, config=WeightManagerConfig(probe_text=""), enforce_eager=True, max_model_len=64)
+    assert set(vc._LIVE) == engines and set(trainer_module._OPEN) == trainers
