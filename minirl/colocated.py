@@ -108,6 +108,9 @@ class WeightManager:
             self._closed = self._gc_frozen = self._slept = False
             self._expected = vc.expected_weight_names(self.llm)
             self._probe_ids = self.llm.get_tokenizer().encode(cfg.probe_text)
+            if cfg.verify_sync and len(self._probe_ids) < 2:     # its log-probs are of the tokens after the first
+                raise ValueError(f"probe_text {cfg.probe_text!r} is {len(self._probe_ids)} token(s): the probe "
+                                 "needs 2 or more; give WeightManagerConfig(probe_text=...) a longer text")
             self._seen = vc.fingerprinted_names(self.llm)   # the trainer checksums what the engine's can see
             if cfg.verify_sync:
                 self._trainer_fp, _ = self.trainer.gather(lambda b: None, dtype=self.engine_dtype,

@@ -480,3 +480,11 @@ def test_a_failed_setup_leaves_no_engine_or_trainer_behind(tiny_model):
     with pytest.raises(Exception):
         WeightManager(tiny_model, config=WeightManagerConfig(probe_text=""), enforce_eager=True, max_model_len=64)
     assert set(vc._LIVE) == engines and set(trainer_module._OPEN) == trainers
+
+
+@pytest.mark.parametrize("text", ["", "a"])
+def test_a_probe_text_under_two_tokens_is_refused(tiny_model, text):
+    """The probe scores every token after the first: with fewer than two there is nothing to compare
+    (before, "" failed in the embedding and "a" made every sync raise SyncError with an inf gap)."""
+    with pytest.raises(ValueError, match="probe_text"):
+        WeightManager(tiny_model, config=WeightManagerConfig(probe_text=text), enforce_eager=True, max_model_len=64)
