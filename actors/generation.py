@@ -42,7 +42,7 @@ class GenerationActor:
         kw["episode_config"] = replace(kw.get("episode_config") or EpisodeConfig(),   # reward_fn off the loop
                                        reward_timeout_s=kw.pop("reward_timeout_s", None))
         self.gen = Generator(model, **kw)
-        self.group = None
+        self.group = self.group_prefix = None      # the broadcast group it joined (collective transport)
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self._bootstrap()            # before registering: a push told of it meanwhile would fail (restarting)
         self._call(self.queue.register_worker, worker_id, ray.get_runtime_context().current_actor)
@@ -122,6 +122,7 @@ class GenerationActor:
             self.group.close()
         self.group = BroadcastGroup(host, port, rank, world_size, prefix=prefix,
                                     device=self.gen.device, timeout_s=timeout_s)
+        self.group_prefix = prefix
         return True
 
     def recv_broadcast(self, version: int, metas: list, probe_ids: list | None = None) -> dict:
@@ -135,7 +136,7 @@ class GenerationActor:
 
     def info(self) -> dict:
         return {"worker_id": self.worker_id, "version": self.gen.policy_version, "restarted": self.restarted,
-                "device": str(self.gen.device), "pid": os.getpid()}
+                "device": str(self.gen.device), "pid": os.getpid(), "group": self.group_prefix}
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         return self.gen.prompt_logprobs(token_ids)

@@ -42,7 +42,7 @@ class WeightPusher:
         if verify:
             self._fps[trainer.policy_version], _ = trainer.gather(lambda b: None, dtype=trainer.compute_dtype,
                                                                   probe_ids=self.probe)
-        self._group, self._members, self.published = None, (), None
+        self._group, self._members, self._prefix, self.published = None, (), None, None
 
     def push(self) -> dict:
         tr, t = self.trainer, {}
@@ -106,6 +106,10 @@ class WeightPusher:
         from minirl.transport import BroadcastGroup, BucketMeta
         members = tuple(sorted(gens))
         t0 = time.perf_counter()
+        if self._group is not None and members == self._members:      # one restarted under its id is in none
+            infos = placement.get([gens[w].info.remote() for w in members], self.timeout, "generators")
+            if any(i["group"] != self._prefix for i in infos):
+                self.close()
         if self._group is None or members != self._members:    # (re)build: a generator joined, left or restarted
             self.close()
             host, prefix, world = ray.util.get_node_ip_address(), f"wsync-{uuid.uuid4().hex[:8]}", len(members) + 1
@@ -115,7 +119,7 @@ class WeightPusher:
             self._group = BroadcastGroup(host, store.port, 0, world, prefix=prefix, device=self.trainer.device,
                                          timeout_s=self.timeout, store=store)
             placement.get(joins, self.timeout, "generators joining the broadcast group")
-            self._members = members
+            self._members, self._prefix = members, prefix
         t["group_s"] = time.perf_counter() - t0
         metas = [BucketMeta.of_layout(layout) for layout in self.trainer.bucket_layout(self.trainer.compute_dtype)]
         acks = {w: gens[w].recv_broadcast.remote(version, metas, self.probe) for w in members}

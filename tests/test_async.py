@@ -346,3 +346,48 @@ def _rollout_batches(worker):
     from minirl import Rollout, RolloutBatch
     return [RolloutBatch([Rollout(prompt_ids=[5, 6, 7], completion_ids=[8, 9], sampling_logprobs=[-1.0, -2.0],
                                   reward=0.0, advantage=a) for a in (1.0, -1.0)], uid=0)]
+
+
+def restart_loop(worker):
+    """train_loop, with one generator killed after the second sync and waited for until Ray restarted
+    it (under its id, so the same members) before the next: what every later push does then."""
+    import time
+    pull, step = worker.pull_rollouts, [0]
+
+    def restarting():
+        for batches in pull():
+            yield batches
+            step[0] += 1
+            if step[0] == 2:
+                victim = sorted(worker._q(worker.queue.workers).items())[0][1]
+                pid = ray.get(victim.info.remote(), timeout=60)["pid"]
+                ray.kill(victim, no_restart=False)                 # SIGKILL; Ray restarts it
+                deadline = time.time() + 180
+                while True:
+                    with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                        if ray.get(victim.info.remote(), timeout=30)["pid"] != pid:
+                            break
+                    assert time.time() < deadline, "the killed generator did not come back within 180 s"
+                    time.sleep(0.5)
+    worker.pull_rollouts = restarting
+    return train_loop(worker)
+
+
+def test_a_collective_push_after_a_generator_restarted(ray_local, tiny_model, cleanup):
+    """A generator restarted under its id is in no broadcast group: the push after it rebuilds the
+    group (it broadcast to the dead process and failed, as every later push did), and every generator
+    ends on the trainer's weights."""
+    name = "q-collective-restart"
+    srv = _server(tiny_model, name, 2, 24)
+    cleanup(srv)
+    pg, (trainer,) = _trainer(tiny_model, name, transport="collective", max_staleness=1, sync_timeout_s=60)
+    cleanup(trainer, pg)
+    srv.run(block=False)
+    out = ray.get(trainer.run.remote(restart_loop), timeout=600)
+    srv.wait(timeout_s=120)
+    assert sorted(out["uids"]) == list(range(24)) and out["version"] == 6
+    want = torch.tensor(ray.get(trainer.run.remote(trainer_logprobs, PROBE)))
+    for g in srv.generators.values():
+        info = ray.get(g["actor"].info.remote(), timeout=60)
+        got = torch.tensor(ray.get(g["actor"].prompt_logprobs.remote(PROBE), timeout=60))
+        assert info["version"] == 6 and (got - want).abs().max() < 1e-4
