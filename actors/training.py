@@ -17,23 +17,18 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import ray
-import torch.distributed as dist
 
 from actors import placement, tokens
 from actors.queue import DEFAULT_NAMESPACE, connect_queue
 from actors.weights import WeightPusher
 from minirl.data import RolloutBatch, split_by_tokens
+from minirl.distributed import on_rank0
 from minirl.hub import QueueRestarted
 from minirl.model import check_model_path, model_identity
 from minirl.trainer import Trainer, TrainerConfig
-
-
-@dataclass(frozen=True)
-class _Failed:
-    message: str          # what rank 0's call raised, sent to the other ranks
 
 
 class TrainWorker:
@@ -69,34 +64,13 @@ class TrainWorker:
         until the queue is finished (the last pull may hold fewer). Tensors on this rank's device."""
         n, world, t = batch_size or self.batch_size, self.rank.world_size, self.pull_timeout
         while True:
-            got = self._from_rank0(lambda: self._q(self.queue.get, n * world, t, wait_s=t), "pull rollouts")
+            got = on_rank0(lambda: self._q(self.queue.get, n * world, t, wait_s=t), self.rank, "pull rollouts")
             if not got:
                 return
             self.trained_uids += [b.uid for b in got if b.uid is not None]
             got += [RolloutBatch([r.as_padding() for r in got[0]])] * max(0, world - len(got))
             mine = split_by_tokens(got, world)[self.rank.rank]
             yield [RolloutBatch([r.to(self.device) for r in b], uid=b.uid) for b in mine]
-
-    def _from_rank0(self, call, what: str):
-        """call() on rank 0, its value on every rank; what it raised is raised on every rank (the
-        others would wait in the broadcast until the group's timeout). Collective."""
-        got = error = None
-        if self.rank.rank == 0:
-            try:
-                got = call()
-            except Exception as e:
-                if self.rank.world_size == 1:
-                    raise
-                got, error = _Failed(f"{type(e).__name__}: {e}"), e
-        if self.rank.world_size > 1:
-            box = [got]
-            dist.broadcast_object_list(box, src=0)
-            got = box[0]
-        if isinstance(got, _Failed):
-            if error is not None:
-                raise error
-            raise RuntimeError(f"rank 0 could not {what}: {got.message}")
-        return got
 
     def _announce_bound(self) -> None:
         """The one writer of the queue's staleness bound (RolloutHub's admission): this trainer's
@@ -134,8 +108,9 @@ class TrainWorker:
         the restored weights replace every generator's. Running or fresh (restored) queue. Collective."""
         out = self.trainer.load_checkpoint(ckpt, path)
         self.trained_uids = list(out["state"]["trained_uids"])
-        self.trainer.policy_version = self._from_rank0(
-            lambda: self._q(self.queue.rollback, self.trained_uids, self.policy_version), "roll the queue back")
+        self.trainer.policy_version = on_rank0(
+            lambda: self._q(self.queue.rollback, self.trained_uids, self.policy_version), self.rank,
+            "roll the queue back")
         self.pusher.forget_checksums()   # of versions another trainer made, or its own pre-restore weights
         self.sync_weights()
         return out

@@ -21,6 +21,7 @@ import uuid
 import ray
 
 from actors import placement
+from minirl.distributed import on_rank0
 from minirl.weights import check_sync, probe_gap
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 0123456789 = 3+4"
@@ -63,7 +64,8 @@ class WeightPusher:
                                what="rollout queue")      # then who to tell: one registering later reads it
                 acks = {w: h.load_from_store.remote(version, refs, self.probe) for w, h in workers().items()}
         else:
-            acks, send = (self._broadcast_to(workers(), version, t) if self.rank0 else ({}, None))
+            acks, send = on_rank0(lambda: self._broadcast_to(workers(), version, t), tr.rank,   # raised on
+                                  "start the broadcast", share=False) or ({}, None)        # every rank
             fp, lp = tr.gather((lambda b: (count(b), send(b))) if send else (lambda b: None),
                                dtype=tr.compute_dtype, probe_ids=self.probe, names=self._seen)
             if self.rank0:

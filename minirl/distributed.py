@@ -63,3 +63,27 @@ def init_distributed(timeout_s: float = 600.0) -> Rank:
         dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
                                 device_id=device if cuda else None, **store)
     return Rank(dist.get_rank(), dist.get_world_size(), device, created)
+
+
+def on_rank0(call, rank, what: str, *, share: bool = True):
+    """call() on rank 0 alone; with share its value is broadcast to every rank (else None there). What
+    it raised is raised on every rank: the others would wait in their next collective until the
+    group's timeout. Collective when rank.world_size > 1."""
+    got = error = None
+    if rank.rank == 0:
+        try:
+            got = call()
+        except Exception as e:
+            if rank.world_size == 1:
+                raise
+            error = e
+    if rank.world_size > 1:
+        box = [("failed", f"{type(error).__name__}: {error}") if error is not None else ("ok", got if share else None)]
+        dist.broadcast_object_list(box, src=0)
+        if box[0][0] == "failed":
+            if error is not None:
+                raise error
+            raise RuntimeError(f"rank 0 could not {what}: {box[0][1]}")
+        got = box[0][1] if rank.rank else got
+    return got
+

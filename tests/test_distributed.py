@@ -36,6 +36,9 @@ def _pull_where_rank0_fails(rank: int, port: int, out) -> None:
     from actors.training import TrainWorker
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=30))
+    from minirl.distributed import on_rank0
+    me = SimpleNamespace(rank=rank, world_size=2)
+    out[f"values{rank}"] = (on_rank0(lambda: 5, me, "count"), on_rank0(lambda: 5, me, "count", share=False))
     worker = object.__new__(TrainWorker)          # only what pull_rollouts reads
     worker.rank, worker.batch_size, worker.pull_timeout, worker.trained_uids = (
         SimpleNamespace(rank=rank, world_size=2), 1, 1.0, [])
@@ -64,6 +67,7 @@ def test_a_failed_pull_on_rank_0_raises_on_every_rank():
         port = s.getsockname()[1]
     out = mp.get_context("spawn").Manager().dict()
     mp.spawn(_pull_where_rank0_fails, args=(port, out), nprocs=2, join=True)
+    assert out["values0"] == (5, 5) and out["values1"] == (5, None)     # shared, or rank 0's alone
     assert out[0][:2] == ("TimeoutError", "rollout queue did not answer within 601 s")
     assert out[1][0] == "RuntimeError" and "rank 0 could not pull rollouts: TimeoutError: rollout queue" in out[1][1]
     assert out[1][2] < 20, out[1]            # not the group's 30 s timeout
