@@ -212,6 +212,7 @@ def check_args(args) -> str | None:
         if getattr(args, name) is not None and getattr(args, name) < low:
             return f"{_flag(name)} must be >= {low}, got {getattr(args, name)}"
     for name, ok, rng in (("lr", lambda v: 0 < v < float("inf"), "a finite number > 0"),
+                          ("lora_alpha", lambda v: v is None or 0 < v < float("inf"), "a finite number > 0"),
                           ("kv_cache_gib", lambda v: v is None or v > 0, "> 0"),
                           ("gpu_memory_utilization", lambda v: v is None or 0 < v <= 1, "in (0, 1]"),
                           ("activation_memory_budget", lambda v: v is None or 0 < v <= 1, "in (0, 1]")):
@@ -247,7 +248,8 @@ def check_args(args) -> str | None:
 def trainer_config(args):
     from minirl.lora import LoRAConfig
     from minirl.trainer import TrainerConfig
-    lora = args.lora_rank and LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha or 2 * args.lora_rank,
+    alpha = 2 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
+    lora = args.lora_rank and LoRAConfig(rank=args.lora_rank, alpha=alpha,
                                          also_train=tuple(filter(None, args.lora_also_train.split(","))))
     return TrainerConfig(lr=args.lr, seed=args.seed, micro_batch_tokens=args.micro_batch_tokens,
                          activation_checkpointing=args.activation_checkpointing,
