@@ -152,7 +152,7 @@ def parse_args(doc: str, run_dir: str, argv=None, *, async_loop: bool = False):
 AT_LEAST = {"steps": 1, "prompts": 1, "group_size": 2, "max_tokens": 1, "max_model_len": 2, "epochs": 1,
             "optim_steps": 1, "micro_batch_tokens": 1, "generators": 1, "eval_samples": 1, "eval_k": 1,
             "refill_rounds": 1, "eval_every": 0, "eval_size": 0, "save_every": 0, "max_staleness": 0,
-            "ray": 0, "overlong_cache": 0}
+            "ray": 0, "overlong_cache": 0, "lora_rank": 0}
 
 
 MUST_MATCH = ("model", "task", "data", "env", "prompt_key", "answer_key", "eval_size", "system_prompt", "thinking",

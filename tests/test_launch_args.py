@@ -47,6 +47,7 @@ def _error(argv, capsys) -> str:
     (["--eval-every", "5"], "--eval-every needs held-out rows: set --eval-size N"),
     (["--lora-alpha", "32"], "--lora-alpha / --lora-also-train shape LoRA adapters: give --lora-rank R"),
     (["--lora-also-train", "embed_tokens"], "--lora-alpha / --lora-also-train shape LoRA adapters"),
+    (["--lora-rank", "-4"], "--lora-rank must be >= 0, got -4"),
     (["--lora-rank", "8", "--lora-alpha", "0"], "--lora-alpha must be a finite number > 0, got 0.0"),
     (["--lora-rank", "8", "--lora-alpha", "-16"], "--lora-alpha must be a finite number > 0, got -16.0"),
     (["--kl-estimator", "k1"], "--kl-estimator / --reference-offload shape the reference policy's KL: give --kl-coef"),
