@@ -213,6 +213,7 @@ def check_args(args) -> str | None:
             return f"{_flag(name)} must be >= {low}, got {getattr(args, name)}"
     for name, ok, rng in (("lr", lambda v: 0 < v < float("inf"), "a finite number > 0"),
                           ("lora_alpha", lambda v: v is None or 0 < v < float("inf"), "a finite number > 0"),
+                          ("kl_coef", lambda v: 0 <= v < float("inf"), "a finite number >= 0"),
                           ("kv_cache_gib", lambda v: v is None or v > 0, "> 0"),
                           ("gpu_memory_utilization", lambda v: v is None or 0 < v <= 1, "in (0, 1]"),
                           ("activation_memory_budget", lambda v: v is None or 0 < v <= 1, "in (0, 1]")):

@@ -50,6 +50,8 @@ def _error(argv, capsys) -> str:
     (["--lora-rank", "-4"], "--lora-rank must be >= 0, got -4"),
     (["--lora-rank", "8", "--lora-alpha", "0"], "--lora-alpha must be a finite number > 0, got 0.0"),
     (["--lora-rank", "8", "--lora-alpha", "-16"], "--lora-alpha must be a finite number > 0, got -16.0"),
+    (["--kl-coef", "-0.01"], "--kl-coef must be a finite number >= 0, got -0.01"),
+    (["--kl-coef", "nan"], "--kl-coef must be a finite number >= 0, got nan"),
     (["--kl-estimator", "k1"], "--kl-estimator / --reference-offload shape the reference policy's KL: give --kl-coef"),
     (["--reference-offload"], "--kl-estimator / --reference-offload shape the reference policy's KL"),
     (["--env", "lookup", "--task", "add"], "--env lookup makes its own prompts and rewards: drop --task / --data"),
