@@ -384,14 +384,19 @@ def eval_due(args, step: int) -> bool:
 
 
 def evaluate(llm, task, args, rank: int = 0, world: int = 1) -> dict:
-    """eval/... metrics of `llm` on this rank's share of the held-out rows (minirl.evaluation)."""
+    """eval/... metrics of `llm` on this rank's share of the held-out rows (minirl.evaluation): each mean
+    weighted by the share's size and eval/prompts the whole count, so that the mean over the ranks
+    (tracked's log) is the mean over every held-out row."""
     from minirl.evaluation import evaluate
     mine = task.held_out[rank::world]
     if not mine:
         raise ValueError(f"--eval-size {len(task.held_out)} gives rank {rank} of {world} no rows: raise it")
     prompts, answers = map(list, zip(*mine))
-    return evaluate(llm, prompts, answers, task.reward, max_tokens=args.max_tokens,
-                    samples=args.eval_samples, k=args.eval_k, seed=args.seed)
+    m = evaluate(llm, prompts, answers, task.reward, max_tokens=args.max_tokens,
+                 samples=args.eval_samples, k=args.eval_k, seed=args.seed)
+    share = len(mine) * world / len(task.held_out)
+    return {k: v if k == "eval/time" else len(task.held_out) if k == "eval/prompts" else v * share
+            for k, v in m.items()}
 
 
 def with_timings(metrics: dict, owner, rollouts_s: float, train_s: float) -> dict:

@@ -208,3 +208,21 @@ def test_an_error_minirl_raised_is_one_line_and_torchs_keeps_its_trace():
             space["boom"](err)
         except Exception as e:
             assert common.message_of(e) == want
+
+
+def test_evaluation_over_ranks_is_the_mean_over_every_held_out_row():
+    """Each rank evaluates its share of the held-out rows (5 over 2 ranks: 3 and 2) and log() takes the
+    mean over the ranks: that mean is the one of the whole held-out set (pass@1 3/5, not (3/3 + 0/2) / 2),
+    and eval/prompts counts every row (5, not 2.5)."""
+    out = lambda n: types.SimpleNamespace(text="x", token_ids=[1, 2], finish_reason="stop")
+    llm = types.SimpleNamespace(generate=lambda prompts, params, use_tqdm: [
+        types.SimpleNamespace(outputs=[out(i) for i in range(params.n)]) for _ in prompts])
+    task = types.SimpleNamespace(held_out=[(f"p{i}", str(i)) for i in range(5)],
+                                 reward=lambda prompt, completion, answer: float(int(answer) % 2 == 0))
+    args = common.parse_args("doc", "runs/x", ["--eval-size", "5", "--eval-every", "1"])
+    whole = common.evaluate(llm, task, args)
+    ranks = [common.evaluate(llm, task, args, rank, 2) for rank in range(2)]
+    logged = {k: sum(m[k] for m in ranks) / 2 for k in whole}          # what tracked's log() writes
+    assert (whole["eval/pass@1"], whole["eval/prompts"]) == (0.6, 5)
+    for k in whole.keys() - {"eval/time"}:
+        assert logged[k] == pytest.approx(whole[k]), k
