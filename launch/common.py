@@ -408,9 +408,9 @@ def with_timings(metrics: dict, owner, rollouts_s: float, train_s: float) -> dic
 
 @contextlib.contextmanager
 def tracked(args, trainer, start: int = 1):
-    """log(step, metrics): metrics averaged over the ranks, written by rank 0 (metrics.jsonl,
-    TensorBoard...); records of steps >= start (a resumed run's) are dropped first; the reward
-    and evaluation curves are drawn at the end."""
+    """log(step, metrics): metrics averaged over the ranks (a maximum, named ...max, the largest of
+    theirs), written by rank 0 (metrics.jsonl, TensorBoard...); records of steps >= start (a resumed
+    run's) are dropped first; the reward and evaluation curves are drawn at the end."""
     import torch
     import torch.distributed as dist
     from minirl.recipes.tracking import Tracker, plot_metrics
@@ -420,8 +420,10 @@ def tracked(args, trainer, start: int = 1):
         def log(step, metrics):
             keys = sorted(metrics)
             v = torch.tensor([float(metrics[k]) for k in keys], device=trainer.device)
+            top, is_max = v.clone(), torch.tensor([k.endswith("max") for k in keys], device=trainer.device)
             dist.all_reduce(v)
-            tracker.log(dict(zip(keys, (v / dist.get_world_size()).tolist())), step)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+            tracker.log(dict(zip(keys, torch.where(is_max, top, v / dist.get_world_size()).tolist())), step)
         yield log
     if trainer.rank.rank == 0:
         print("reward curve:", plot_metrics(Path(args.run_dir) / "metrics.jsonl",

@@ -226,3 +226,40 @@ def test_evaluation_over_ranks_is_the_mean_over_every_held_out_row():
     assert (whole["eval/pass@1"], whole["eval/prompts"]) == (0.6, 5)
     for k in whole.keys() - {"eval/time"}:
         assert logged[k] == pytest.approx(whole[k]), k
+
+
+def _track(rank: int, world: int, port: int, run: str, start: int, records: list, out) -> None:
+    """One rank of the tracked() tests (spawned): log this rank's metrics of each step through tracked()."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    args = common.parse_args("doc", "runs/x", ["--run-dir", run, "--backends", "", "--steps", "2"])
+    trainer = types.SimpleNamespace(device="cpu", rank=types.SimpleNamespace(rank=rank))
+    with common.tracked(args, trainer, start) as log:
+        for step, metrics in records:
+            log(step, metrics[rank])
+    dist.destroy_process_group()
+    out[rank] = "done"
+
+
+def _tracked(tmp_path, world: int, start: int, records: list) -> list[dict]:
+    """metrics.jsonl after `world` spawned ranks logged records [(step, [metrics of each rank])] from `start`."""
+    import socket
+    import torch.multiprocessing as mp
+    from minirl.recipes.tracking import read_metrics
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_track, args=(world, port, str(tmp_path), start, records, out), nprocs=world, join=True)
+    assert dict(out) == dict.fromkeys(range(world), "done")
+    return read_metrics(tmp_path / "metrics.jsonl")
+
+
+def test_a_maximum_over_ranks_is_logged_as_the_maximum(tmp_path):
+    """log() averages the ranks' metrics, but a maximum (reward/max, episode/turns_max) is the largest
+    of any rank's: a rollout rewarded 1 on one rank of two is a reward/max of 1, not 0.5."""
+    ranks = [{"reward/mean": 0.5, "reward/max": 1.0, "episode/turns_max": 3},
+             {"reward/mean": 0.1, "reward/max": 0.0, "episode/turns_max": 1}]
+    (record,) = _tracked(tmp_path, 2, 1, [(1, ranks)])
+    assert record["reward/mean"] == pytest.approx(0.3)
+    assert (record["reward/max"], record["episode/turns_max"]) == (1.0, 3.0)
