@@ -410,13 +410,14 @@ def with_timings(metrics: dict, owner, rollouts_s: float, train_s: float) -> dic
 def tracked(args, trainer, start: int = 1):
     """log(step, metrics): metrics averaged over the ranks (a maximum, named ...max, the largest of
     theirs), written by rank 0 (metrics.jsonl, TensorBoard...); records of steps >= start (a resumed
-    run's) are dropped first; the reward and evaluation curves are drawn at the end."""
+    run's; a fresh run's: every one, its step-0 evaluation too) are dropped first; the reward and
+    evaluation curves are drawn at the end."""
     import torch
     import torch.distributed as dist
     from minirl.recipes.tracking import Tracker, plot_metrics
     backends = tuple(b for b in args.backends.split(",") if b)
     with Tracker(args.run_dir, backends=backends, total_steps=args.steps, config=vars(args),
-                 start_step=start) as tracker:
+                 start_step=start if start > 1 else 0) as tracker:
         def log(step, metrics):
             keys = sorted(metrics)
             v = torch.tensor([float(metrics[k]) for k in keys], device=trainer.device)

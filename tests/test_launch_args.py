@@ -263,3 +263,16 @@ def test_a_maximum_over_ranks_is_logged_as_the_maximum(tmp_path):
     (record,) = _tracked(tmp_path, 2, 1, [(1, ranks)])
     assert record["reward/mean"] == pytest.approx(0.3)
     assert (record["reward/max"], record["episode/turns_max"]) == (1.0, 3.0)
+
+
+def test_a_fresh_run_drops_an_earlier_runs_records_its_step_0_evaluation_too(tmp_path):
+    """A new run in a run directory that held another's metrics.jsonl: none of the earlier records stay
+    (its step-0 evaluation stayed: step 0 twice, and the earlier pass@1 printed as this run's first);
+    a resumed run keeps those before its first step."""
+    earlier = [(0, [{"eval/pass@1": 0.9}]), (1, [{"reward/mean": 0.9}]), (2, [{"reward/mean": 0.9}])]
+    _tracked(tmp_path, 1, 1, earlier)
+    records = _tracked(tmp_path, 1, 1, [(0, [{"eval/pass@1": 0.1}]), (1, [{"reward/mean": 0.2}])])
+    assert [r["step"] for r in records] == [0, 1]
+    assert (records[0]["eval/pass@1"], records[1]["reward/mean"]) == pytest.approx((0.1, 0.2))
+    records = _tracked(tmp_path, 1, 2, [(2, [{"reward/mean": 0.3}])])
+    assert [r["step"] for r in records] == [0, 1, 2]
