@@ -144,7 +144,7 @@ def parse_args(doc: str, run_dir: str, argv=None, *, async_loop: bool = False):
         if problem := resume_settings(args, given=vars(p.parse_args(argv))):
             p.error(problem)
     if problem := (check_args(args) or other_loop_problem(args, defaults, async_loop)
-                   or (async_loop and async_problem(args))):
+                   or (async_problem(args) if async_loop else colocated_problem(args))):
         p.error(problem)
     return args
 
@@ -203,6 +203,14 @@ def other_loop_problem(args, defaults: dict, async_loop: bool) -> str | None:
 def async_problem(args) -> str | None:
     if args.eval_every and args.role != "both":
         return "--eval-every needs both roles in one job (the trainer evaluates on the server's generators)"
+    return None
+
+
+def colocated_problem(args) -> str | None:
+    ranks = args.ray or int(os.environ.get("WORLD_SIZE", 1))          # each evaluates its share of the rows
+    if args.eval_every and args.eval_size < ranks:
+        return (f"--eval-size {args.eval_size} gives some of the {ranks} ranks no held-out rows: "
+                f"set --eval-size >= {ranks}")
     return None
 
 

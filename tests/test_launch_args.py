@@ -276,3 +276,14 @@ def test_a_fresh_run_drops_an_earlier_runs_records_its_step_0_evaluation_too(tmp
     assert (records[0]["eval/pass@1"], records[1]["reward/mean"]) == pytest.approx((0.1, 0.2))
     records = _tracked(tmp_path, 1, 2, [(2, [{"reward/mean": 0.3}])])
     assert [r["step"] for r in records] == [0, 1, 2]
+
+
+def test_fewer_held_out_rows_than_ranks_is_refused(monkeypatch, capsys):
+    """(co-located) each rank evaluates its share of the held-out rows: fewer rows than ranks (--ray N or
+    torchrun's WORLD_SIZE) is refused at parse time, not at the first evaluation after the models loaded."""
+    message = _error(["--ray", "2", "--eval-size", "1", "--eval-every", "1"], capsys)
+    assert message == "error: --eval-size 1 gives some of the 2 ranks no held-out rows: set --eval-size >= 2"
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert _error(["--eval-size", "3", "--eval-every", "1"], capsys).endswith("set --eval-size >= 4")
+    assert common.parse_args("doc", "runs/x", ["--eval-size", "4", "--eval-every", "1"]).eval_size == 4
+    assert common.parse_args("doc", "runs/x", ["--eval-size", "3"]).eval_size == 3      # no evaluation
