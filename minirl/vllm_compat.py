@@ -181,12 +181,19 @@ def weight_update(llm: LLM):
         initialize_layerwise_reload(model)
         try:
             yield load
-        finally:
             for m in unsent:         # get nothing by design: without this vLLM logs "<Layer>: Failed to load
                 info = get_layerwise_info(m)   # weights" before restoring their tensors (tied: rebuilt below)
                 if info.can_load() and info.load_numel == 0:
                     info.load_numel_total = 0
             finalize_layerwise_reload(model, worker.model_config)
+        except BaseException:        # a bucket or a layer failed: the layers not done yet keep their old tensors
+            if get_layerwise_info:   # (vLLM's finalize stops at a failed layer, the rest left on meta)
+                for m in model.modules():
+                    if (info := get_layerwise_info(m)).can_load():
+                        info.loaded_weights, info.load_numel = [], 0
+            finalize_layerwise_reload(model, worker.model_config)
+            raise
+        finally:
             _reprocess_tied(model)
 
 

@@ -322,3 +322,28 @@ def test_a_prompt_with_no_room_is_a_failure_not_an_empty_group(gen):
     assert [b.uid for bs, _ in got for b in bs] == ["a"]
     (uid, cause), = [f for _, fs in got for f in fs]
     assert uid == "long" and "PromptTooLong" in cause and "300 tokens" in cause
+
+
+def test_a_failed_load_leaves_every_layer_it_did_not_finish_on_its_old_weights(gen, tiny_model):
+    """A load vLLM cannot take (a weight of the wrong shape) and one whose buckets stop half-way through
+    a layer both raise, and the engine goes on with its old weights there, its version unchanged; the
+    next load works. Before, vLLM's layerwise reload left every layer after the failed one on the meta
+    device (no request could run) and replayed the bad weight at every later load; a half-sent layer
+    was processed with whatever its new storage held for the rest."""
+    from safetensors.torch import load_file
+    sd, probe = load_file(f"{tiny_model}/model.safetensors"), [3, 4, 5, 6]
+    gen.load_weights(gen.policy_version + 1, [list(sd.items())])
+    before, version = gen.prompt_logprobs(probe), gen.policy_version
+    up = "model.layers.0.mlp.up_proj.weight"
+    with pytest.raises(RuntimeError):
+        gen.load_weights(version + 1, [list({**sd, up: sd[up].reshape(sd[up].shape[::-1])}.items())])
+    assert gen.prompt_logprobs(probe) == pytest.approx(before, rel=1e-5) and gen.policy_version == version
+
+    def half_a_layer():
+        yield [("model.layers.0.mlp.gate_proj.weight", sd["model.layers.0.mlp.gate_proj.weight"] + 1)]
+        raise ConnectionError("the trainer went away")
+    with pytest.raises(ConnectionError):
+        gen.load_weights(version + 1, half_a_layer())
+    assert gen.prompt_logprobs(probe) == pytest.approx(before, rel=1e-5) and gen.policy_version == version
+    out = gen.load_weights(version + 1, [list(sd.items())], probe_ids=probe)
+    assert out["probe_logprobs"] == pytest.approx(before, rel=1e-5) and gen.policy_version == version + 1
