@@ -172,6 +172,7 @@ class Generator:
         if probe and self._fingerprint is None:   # after an unchecked load: what this one starts from
             self._fingerprint = vc.fingerprint(self.llm)
         t0 = time.perf_counter()
+        start, self._fingerprint = self._fingerprint, None   # unknown until it succeeds (a failed one changes some)
         with vc.weight_update(self.llm) as load:
             for bucket in buckets:
                 load(bucket)
@@ -188,12 +189,10 @@ class Generator:
         self.stats["load_s"] += out["load_s"]
         self.stats["loads_in_flight"] += running > 0
         if probe:
-            fp, self._fingerprint = self._fingerprint, vc.fingerprint(self.llm)
-            out["changed"] = fp != self._fingerprint
+            self._fingerprint = vc.fingerprint(self.llm)
+            out["changed"] = start != self._fingerprint
             out["fingerprinted"] = self._seen     # None: every weight
-        else:
-            self._fingerprint = None              # unknown until the next checked load
-        return out
+        return out                                # unchecked: unknown until the next checked load
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         return self._in_engine(lambda: vc.prompt_logprobs(self.llm, token_ids),

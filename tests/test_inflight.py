@@ -347,3 +347,21 @@ def test_a_failed_load_leaves_every_layer_it_did_not_finish_on_its_old_weights(g
     assert gen.prompt_logprobs(probe) == pytest.approx(before, rel=1e-5) and gen.policy_version == version
     out = gen.load_weights(version + 1, [list(sd.items())], probe_ids=probe)
     assert out["probe_logprobs"] == pytest.approx(before, rel=1e-5) and gen.policy_version == version + 1
+
+
+def test_a_checked_load_after_a_failed_one_reports_what_it_changed(gen, tiny_model):
+    """A load that fails after some layers took their new weights (here the embedding, then the
+    sender goes away), then a checked load of those same weights: `changed` is False. Before, it was
+    measured from the weights before the failed load and said True for a load that changed nothing."""
+    from safetensors.torch import load_file
+    sd = load_file(f"{tiny_model}/model.safetensors")
+    gen.load_weights(gen.policy_version + 1, [list(sd.items())], probe_ids=[3, 4])
+    sd["model.embed_tokens.weight"] += 0.1
+
+    def embedding_then_gone():
+        yield [("model.embed_tokens.weight", sd["model.embed_tokens.weight"])]
+        raise ConnectionError("the trainer went away")
+    with pytest.raises(ConnectionError):
+        gen.load_weights(gen.policy_version + 1, embedding_then_gone(), probe_ids=[3, 4])
+    assert not gen.load_weights(gen.policy_version + 1, [list(sd.items())], probe_ids=[3, 4])["changed"]
+    gen.load_weights(gen.policy_version + 1, [list(load_file(f"{tiny_model}/model.safetensors").items())])
