@@ -428,7 +428,7 @@ def tracked(args, trainer, start: int = 1):
                  start_step=start if start > 1 else 0) as tracker:
         def log(step, metrics):
             keys = sorted(metrics)
-            v = torch.tensor([float(metrics[k]) for k in keys], device=trainer.device)
+            v = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=trainer.device)
             top, is_max = v.clone(), torch.tensor([k.endswith("max") for k in keys], device=trainer.device)
             dist.all_reduce(v)
             dist.all_reduce(top, op=dist.ReduceOp.MAX)

@@ -271,9 +271,10 @@ def test_a_fresh_run_drops_an_earlier_runs_records_its_step_0_evaluation_too(tmp
     a resumed run keeps those before its first step."""
     earlier = [(0, [{"eval/pass@1": 0.9}]), (1, [{"reward/mean": 0.9}]), (2, [{"reward/mean": 0.9}])]
     _tracked(tmp_path, 1, 1, earlier)
-    records = _tracked(tmp_path, 1, 1, [(0, [{"eval/pass@1": 0.1}]), (1, [{"reward/mean": 0.2}])])
+    records = _tracked(tmp_path, 1, 1, [(0, [{"eval/pass@1": 0.1}]), (1, [{"reward/mean": 0.2, "tokens": 2**24 + 1}])])
     assert [r["step"] for r in records] == [0, 1]
-    assert (records[0]["eval/pass@1"], records[1]["reward/mean"]) == pytest.approx((0.1, 0.2))
+    # logged as given: 0.2, not float32's 0.20000000298; a count past 2**24 exact
+    assert (records[0]["eval/pass@1"], records[1]["reward/mean"], records[1]["tokens"]) == (0.1, 0.2, 2**24 + 1)
     records = _tracked(tmp_path, 1, 2, [(2, [{"reward/mean": 0.3}])])
     assert [r["step"] for r in records] == [0, 1, 2]
 
