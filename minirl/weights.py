@@ -122,6 +122,9 @@ class SyncError(RuntimeError):
 
 def probe_gap(trainer_lp, engine_lp) -> float:
     """Mean |trainer - engine| log-prob over the probe's tokens; inf if not finite (NaN never passes)."""
+    if len(trainer_lp) != len(engine_lp):        # broadcast, one value would be compared against them all
+        raise ValueError(f"the probe has {len(trainer_lp)} trainer log-probs and {len(engine_lp)} engine ones: "
+                         "both must score the same probe tokens")
     gap = (torch.as_tensor(engine_lp, dtype=torch.float64) -
            torch.as_tensor(trainer_lp, dtype=torch.float64)).abs().mean().item()
     return gap if math.isfinite(gap) else math.inf

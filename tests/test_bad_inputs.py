@@ -129,6 +129,7 @@ SYNC = [
     ("sync-nan-gap", lambda: check_sync(probe_gap([-1.0, NAN], [-1.0, -2.0]), False, tolerance=None,
                                         engine_dtype=torch.float32, where="vLLM", version=3), SyncError,
      "differ by inf"),
+    ("probe-lengths", lambda: probe_gap([0.0], [0.5, 0.5, 0.5]), ValueError, "1 trainer log-probs and 3 engine"),
     ("sync-stuck", lambda: check_sync(0.0, True, tolerance=None, engine_dtype=torch.float32, where="vLLM",
                                       version=3), SyncError, "changed nothing"),
     ("trainer-max-grad-norm-negative", lambda: Trainer("/nonexistent/model", TrainerConfig(max_grad_norm=-1.0)),
