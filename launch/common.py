@@ -146,6 +146,8 @@ def parse_args(doc: str, run_dir: str, argv=None, *, async_loop: bool = False):
     if problem := (check_args(args) or other_loop_problem(args, defaults, async_loop)
                    or (async_problem(args) if async_loop else colocated_problem(args))):
         p.error(problem)
+    if args.lora_rank and args.lora_alpha is None:     # recorded as used: a resume may name the same value
+        args.lora_alpha = 2.0 * args.lora_rank
     return args
 
 
@@ -257,8 +259,7 @@ def check_args(args) -> str | None:
 def trainer_config(args):
     from minirl.lora import LoRAConfig
     from minirl.trainer import TrainerConfig
-    alpha = 2 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
-    lora = args.lora_rank and LoRAConfig(rank=args.lora_rank, alpha=alpha,
+    lora = args.lora_rank and LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha,
                                          also_train=tuple(filter(None, args.lora_also_train.split(","))))
     return TrainerConfig(lr=args.lr, seed=args.seed, micro_batch_tokens=args.micro_batch_tokens,
                          activation_checkpointing=args.activation_checkpointing,

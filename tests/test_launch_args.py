@@ -150,6 +150,12 @@ def test_resume_keeps_the_runs_settings(tmp_path, capsys):
     assert (args.steps, args.save_every, args.seed) == (90, 5, 7)
     message = _error(["--run-dir", run, "--resume", "--seed", "0"], capsys)
     assert message.startswith("error: --resume: --seed 0 differs from the run's 7") and "another --run-dir" in message
+    lora = str(tmp_path / "lora")                  # LoRA's alpha defaulted to 2 x rank: naming it resumes
+    common.prepare(common.parse_args("doc", "runs/x", ["--run-dir", lora, "--lora-rank", "16"]))
+    args = common.parse_args("doc", "runs/x", ["--run-dir", lora, "--resume", "--lora-alpha", "32"])
+    assert (args.lora_rank, args.lora_alpha, common.trainer_config(args).lora.alpha) == (16, 32.0, 32.0)
+    assert _error(["--run-dir", lora, "--resume", "--lora-alpha", "8"], capsys).startswith(
+        "error: --resume: --lora-alpha 8.0 differs from the run's 32.0")
 
 
 class _Trainer:
