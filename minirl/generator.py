@@ -115,7 +115,7 @@ class Generator:
     def _between_steps(self) -> None:     # in the engine's thread between two steps: other threads' engine calls
         while self._mailbox:
             job = self._mailbox[0]
-            if job.exclusive and self.runner.requests_in_flight:
+            if job.held_back and self.runner.requests_in_flight:
                 return                           # it runs once the running requests finished
             self._mailbox.popleft()
             job.run(in_session=True)
@@ -261,7 +261,7 @@ class _Session:
             raise self.errors[0]
         while self.inbox:
             with gen._state:                     # other threads post to the mailbox meanwhile
-                if any(job.exclusive for job in gen._mailbox):
+                if any(job.held_back for job in gen._mailbox):
                     break
             item = self.inbox.popleft()
             try:                                 # e.g. a prompt the tokenizer refuses: that prompt's failure
@@ -278,6 +278,11 @@ class _Job:
     def __init__(self, direct, session, exclusive: bool, tasks: set):
         self.direct, self.session, self.exclusive, self.tasks = direct, session, exclusive, tasks
         self.future: concurrent.futures.Future = concurrent.futures.Future()
+
+    @property
+    def held_back(self) -> bool:
+        """Exclusive and not withdrawn: it waits for the running requests, new groups wait for it."""
+        return self.exclusive and not self.future.cancelled()
 
     def run(self, in_session: bool = False) -> None:
         """direct(), or session() between the session's steps (an awaitable then runs as its task);

@@ -173,6 +173,27 @@ def test_an_engine_call_that_timed_out_before_it_ran_never_runs():
     release.set()
 
 
+def test_a_withdrawn_exclusive_call_holds_back_no_group():
+    """An exclusive engine call (evaluation) waits for running requests, new groups held back; once its
+    caller withdrew it (timed out), groups start again and the calls behind it run, while requests run."""
+    import collections
+
+    from minirl.generator import _Session
+    g = object.__new__(Generator)
+    g._mailbox, g._tasks, g._state, g._serving = collections.deque(), set(), threading.Lock(), True
+    g._engine, g.group_size, g.episode, started, ran = threading.Lock(), 1, None, [], []
+    g.runner = SimpleNamespace(wake=lambda: None, requests_in_flight=3,
+                               start_group=lambda *a, **k: started.append(k["uid"]))
+    with pytest.raises(TimeoutError, match=r"\(withdrawn: it will not run\)"):
+        g._in_engine(lambda: ran.append("exclusive"), exclusive=True, timeout_s=0.2)
+    threading.Timer(0.1, g._between_steps).start()       # the session's next step, requests still running
+    assert g._in_engine(lambda: ran.append("load") or 7, timeout_s=5) == 7
+    s = _Session(g, None, None, 4, threading.Event())
+    s.inbox.append(PromptItem(uid=0, prompt="1+1="))
+    s.feed()
+    assert ran == ["load"] and started == [0] and not g._mailbox
+
+
 def test_slow_reward_does_not_block_generation(gen):
     """One episode's reward_fn sleeps 1.5 s (sync: in a worker thread) while the other episodes keep
     taking turns; an async reward and a reward past reward_timeout_s (named in the error) too."""
