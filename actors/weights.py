@@ -108,11 +108,9 @@ class WeightPusher:
         from minirl.transport import BroadcastGroup, BucketMeta
         members = tuple(sorted(gens))
         t0 = time.perf_counter()
-        if self._group is not None and members == self._members:      # one restarted under its id is in none
-            infos = placement.get([gens[w].info.remote() for w in members], self.timeout, "generators")
-            if any(i["group"] != self._prefix for i in infos):
-                self.close()
-        if self._group is None or members != self._members:    # (re)build: a generator joined, left or restarted
+        if self._group is None or members != self._members or any(   # (re)build: a generator joined, left, or
+                i["group"] != self._prefix for i in placement.get(      # restarted (under its id: in no group)
+                    [gens[w].info.remote() for w in members], self.timeout, "generators")):
             self.close()
             host, prefix, world = ray.util.get_node_ip_address(), f"wsync-{uuid.uuid4().hex[:8]}", len(members) + 1
             store = listen(host, world, self.timeout)           # bound before anyone is told its port
