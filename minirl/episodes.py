@@ -49,8 +49,6 @@ class EpisodeConfig:
     error_reward: float = 0.0
     limit_reward: float = 0.0
     """Reward of an episode ended by max_turns / max_model_len ."""
-    max_concurrent: int | None = None
-    """Episodes in flight at once (None: all); the engine's max_num_seqs bounds what runs."""
     reward_timeout_s: float | None = None
     """Limit of one reward call (EpisodeRunner.reward, single_turn's reward_fn); past it the episode
     fails with TimeoutError naming reward_fn (None: no limit)."""
@@ -311,7 +309,6 @@ class EpisodeRunner:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._groups: set[asyncio.Task] = set()     # a session's groups in flight
         self._failed: BaseException | None = None    # a done() callback raised: the session ends
-        self._limit: asyncio.Semaphore | None = None
         self._pool = None                            # reward threads (made on first use)
         self._live = self._generating = 0            # episodes running / of them waiting on a turn
         self.between_steps: Callable[[], None] | None = None   # e.g. an in-flight weight load
@@ -461,7 +458,7 @@ class EpisodeRunner:
         task.add_done_callback(self._groups.discard)
 
     async def _group(self, episode: EpisodeFn, eps: list[Episode], device: str, done) -> None:
-        tasks = [asyncio.ensure_future(self._one(episode, ep, self._limit, device)) for ep in eps]
+        tasks = [asyncio.ensure_future(self._one(episode, ep, device)) for ep in eps]
         try:
             result = RolloutBatch(list(await asyncio.gather(*tasks)), uid=eps[0].uid)
         except Exception as e:                         # the group's first error; the others stop
@@ -478,7 +475,6 @@ class EpisodeRunner:
 
     async def _serve(self, feed: Callable[[], bool], idle_s: float) -> None:
         self._loop, self._work, self._failed = asyncio.get_running_loop(), asyncio.Event(), None
-        self._limit = asyncio.Semaphore(self.config.max_concurrent or 1 << 30)
         t_start = turned = time.perf_counter()
         self._live = self._generating = 0
         thresholds = gc.get_threshold()
@@ -535,45 +531,44 @@ class EpisodeRunner:
             self._pool = ThreadPoolExecutor(self.config.reward_workers, thread_name_prefix="reward")
         return await asyncio.get_running_loop().run_in_executor(self._pool, bounded(fn, t, "reward_fn"), *args)
 
-    async def _one(self, episode: EpisodeFn, ep: Episode, limit: asyncio.Semaphore, device: str) -> Rollout:
+    async def _one(self, episode: EpisodeFn, ep: Episode, device: str) -> Rollout:
         self._live += 1
         try:
-            async with limit:
-                t0 = time.perf_counter()
-                deadline, work = asyncio.timeout(self.config.episode_timeout_s), episode(ep)
-                if not inspect.isawaitable(work):            # a plain def: every episode would be an error
-                    raise TypeError(f"the episode function returned {type(work).__name__}, not a coroutine: "
-                                    "define it with `async def episode(ep)` (it awaits ep.generate)")
-                try:
-                    async with deadline:
-                        reward = await work
-                        reason = (ep.turns[-1].finish_reason if ep.turns else None) or "stop"
-                except EpisodeEnd as end:
-                    reward, reason = self.config.limit_reward, end.reason
-                    self.stats["limits"] += 1
-                except PromptTooLong:                      # the request fails: nothing to train on
-                    self.stats["errors"] += 1
-                    raise
-                except (Exception, asyncio.CancelledError) as e:
-                    if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
-                        raise                              # the runner stops this episode (group error, session end)
-                    self.stats["errors"] += 1
-                    what = (f"ran past episode_timeout_s={self.config.episode_timeout_s}" if deadline.expired()
-                            else f"raised {type(e).__name__}: {e}")
-                    if self.config.on_error == "raise":
-                        raise RuntimeError(f"{ep.name} {what} (after {len(ep.turns)} turns)") from e
-                    ep.info["error"] = what
-                    reward, reason = self.config.error_reward, "error"
-                self.stats["episodes"] += 1
-                ep.info["episode_s"] = time.perf_counter() - t0
-                if reward is None and ep.turn_rewards:
-                    reward = sum(ep.turn_rewards)
-                try:
-                    reward = _check_reward(reward, ep.prompt, ep.text,
-                                           "reward_fn" if hasattr(episode, "reward_fn") else "the episode function")
-                except (TypeError, ValueError) as e:
-                    raise type(e)(f"{ep.name}: {e}") from None
-                return ep.to_rollout(reward, reason, device)
+            t0 = time.perf_counter()
+            deadline, work = asyncio.timeout(self.config.episode_timeout_s), episode(ep)
+            if not inspect.isawaitable(work):            # a plain def: every episode would be an error
+                raise TypeError(f"the episode function returned {type(work).__name__}, not a coroutine: "
+                                "define it with `async def episode(ep)` (it awaits ep.generate)")
+            try:
+                async with deadline:
+                    reward = await work
+                    reason = (ep.turns[-1].finish_reason if ep.turns else None) or "stop"
+            except EpisodeEnd as end:
+                reward, reason = self.config.limit_reward, end.reason
+                self.stats["limits"] += 1
+            except PromptTooLong:                      # the request fails: nothing to train on
+                self.stats["errors"] += 1
+                raise
+            except (Exception, asyncio.CancelledError) as e:
+                if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                    raise                              # the runner stops this episode (group error, session end)
+                self.stats["errors"] += 1
+                what = (f"ran past episode_timeout_s={self.config.episode_timeout_s}" if deadline.expired()
+                        else f"raised {type(e).__name__}: {e}")
+                if self.config.on_error == "raise":
+                    raise RuntimeError(f"{ep.name} {what} (after {len(ep.turns)} turns)") from e
+                ep.info["error"] = what
+                reward, reason = self.config.error_reward, "error"
+            self.stats["episodes"] += 1
+            ep.info["episode_s"] = time.perf_counter() - t0
+            if reward is None and ep.turn_rewards:
+                reward = sum(ep.turn_rewards)
+            try:
+                reward = _check_reward(reward, ep.prompt, ep.text,
+                                       "reward_fn" if hasattr(episode, "reward_fn") else "the episode function")
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{ep.name}: {e}") from None
+            return ep.to_rollout(reward, reason, device)
         finally:
             self._live -= 1
 
