@@ -53,6 +53,9 @@ class WeightManagerConfig:
 
     def __post_init__(self):
         check_tolerance(self.probe_tolerance)
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be > 0 GiB (None: sized from max_num_seqs x max_model_len), "
+                             f"got {self.kv_cache_gib}")
 
 
 class WeightManager:

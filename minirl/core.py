@@ -171,6 +171,8 @@ def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0,
                         chunk_size: int | None = None) -> torch.Tensor:
     """Entropy (nats) of softmax(logits / T) at every position: (..., T, V) -> (..., T), fp32.
     Chunked; differentiable (for an entropy bonus), so wrap it in no_grad() when only logging."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (1.0 for plain softmax), got {temperature}")
     flat = logits.reshape(-1, logits.shape[-1])
     chunk = _chunk_tokens(*flat.shape, chunk_size)
     parts = []

@@ -16,8 +16,8 @@ from vllm.outputs import CompletionOutput, RequestOutput
 
 from minirl.colocated import WeightManagerConfig
 from minirl.checkpoint import Checkpointer, CheckpointError, verify
-from minirl.core import (aggregate, clipped_policy_loss, compute_advantages, get_logprobs, ppo_loss_fn,
-                         token_logprobs, truncated_importance_weights)
+from minirl.core import (aggregate, clipped_policy_loss, compute_advantages, entropy_from_logits, get_logprobs,
+                         ppo_loss_fn, token_logprobs, truncated_importance_weights)
 from minirl.data import (Rollout, RolloutBatch, collate, load_rollouts, pack, parse_vllm_outputs,
                          save_rollouts, split_by_tokens)
 from minirl.trainer import Trainer, TrainerConfig
@@ -53,6 +53,8 @@ CORE = [
      ValueError, "pass (N, V) logits"),
     ("logprobs-temperature-0", lambda: token_logprobs(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long),
                                                       temperature=0), ValueError, "temperature must be > 0"),
+    ("entropy-temperature-0", lambda: entropy_from_logits(torch.zeros(2, 4), temperature=0), ValueError,
+     "temperature must be > 0"),
     ("logprobs-chunk-0", lambda: token_logprobs(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long),
                                                 chunk_size=0), ValueError, "chunk_size must be >= 1"),
     ("get-logprobs-mismatch", lambda: get_logprobs(torch.zeros(1, 5, 4), torch.zeros(1, 6, dtype=torch.long)),

@@ -158,6 +158,13 @@ def test_bad_arguments_fail_before_any_work(tiny_model, kwargs, err, msg, monkey
         WeightManager(kwargs.pop("model"), **kwargs)
 
 
+@pytest.mark.parametrize("gib", [0, -1.0, float("nan")])
+def test_kv_cache_gib_must_be_positive(gib):
+    """A KV cache of no size was planned as 'does not fit' (a MemoryError naming the wrong cause)."""
+    with pytest.raises(ValueError, match="kv_cache_gib must be > 0"):
+        WeightManagerConfig(kv_cache_gib=gib)
+
+
 def test_engine_graph_mode_by_device_and_head_size(tiny_model, tmp_path):
     """Full CUDA graphs for every step on Hopper where they are exact (head_dim 128), decode-only
     graphs there for other head sizes (head_dim 64: wrong prefill attention under full graphs),
