@@ -23,7 +23,7 @@ import torch.distributed as dist
 from minirl import memory, vllm_compat as vc
 from minirl.model import check_model_path, precision
 from minirl.trainer import Trainer, TrainerConfig
-from minirl.weights import SyncError, check_sync, check_tolerance, probe_gap  # noqa: F401 (public)
+from minirl.weights import SyncError, check_sync, check_tolerance, probe_gap
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,7 +40,7 @@ class WeightManagerConfig:
     """AdamW's state on the host while the engine generates (CUDA, sleep level 2; Trainer.optimizer_to_host).
     None: where only that lets the KV cache wanted fit (minirl.memory)."""
     verify_sync: bool = True
-    """Check every sync (see module docstring)."""
+    """Check every sync: vLLM's and the trainer's log-probs of probe_text agree, else SyncError (check_sync)."""
     sync_weights: bool = True
     """False never loads trained weights into vLLM: an ablation (a run must learn from its own rollouts)."""
     probe_text: str = "The quick brown fox jumps over the lazy dog. 0123456789 = 3+4"
