@@ -332,7 +332,7 @@ def train_step(trainer, batches, args, step: int, *, off_policy: str = "none", m
     mean = {k: sum(m[k] for m in seen) / len(seen) for k in seen[0]}
     rewards = torch.tensor([r.reward for r in rollouts])
     adv = torch.tensor([r.advantage for r in rollouts])
-    return {"reward/mean": rewards.mean(), "reward/max": rewards.max(), "adv/std": adv.std(),
+    return {"reward/mean": rewards.mean(), "reward/max": rewards.max(), "adv/std": pooled_std(adv, trainer.device),
             "adv/abs_mean": adv.abs().mean(), "loss": mean["loss"], "clip_frac": mean["clip_frac"],
             **{k: mean[k] for k in ("kl_ref",) if k in mean},
             "approx_kl": mean["approx_kl"], "entropy": mean["entropy"], "ratio_mean": mean["ratio"],
@@ -344,6 +344,19 @@ def train_step(trainer, batches, args, step: int, *, off_policy: str = "none", m
             **{k: mean[k] for k in ("is_weight",) if k in mean},
             **({} if max_staleness is None else staleness_metrics(rollouts, trainer.policy_version, max_staleness)),
             **(episode_metrics(rollouts) if args.env else {})}
+
+
+def pooled_std(values, device) -> float:
+    """The sample standard deviation of every rank's values together (collective where a process group
+    is up): each rank logs the same, so log()'s mean over ranks is it, not the mean of per-rank stds."""
+    import math
+    import torch
+    import torch.distributed as dist
+    s = torch.tensor([values.numel(), values.sum(), values.square().sum()], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(s)
+    n, total, squares = s.tolist()
+    return math.sqrt(max(squares - total * total / n, 0.0) / (n - 1)) if n > 1 else float("nan")
 
 
 FINISH = ("stop", "length", "max_turns", "max_model_len", "error")

@@ -2,6 +2,7 @@
 status 2 and a message naming the flag and its valid range. Also: the cluster's dashboard listens
 on loopback only. CPU only, no engine; a few seconds."""
 
+import math
 import sys
 import types
 from pathlib import Path
@@ -160,7 +161,7 @@ def test_resume_keeps_the_runs_settings(tmp_path, capsys):
 
 class _Trainer:
     """What train_step asks of a Trainer, with fixed numbers."""
-    policy_version, config = 3, types.SimpleNamespace(reference=False)
+    policy_version, config, device = 3, types.SimpleNamespace(reference=False), "cpu"
     rebalance = staticmethod(list)
 
     def forward_backward(self, rollouts, loss_fn):
@@ -234,30 +235,37 @@ def test_evaluation_over_ranks_is_the_mean_over_every_held_out_row():
         assert logged[k] == pytest.approx(whole[k]), k
 
 
-def _track(rank: int, world: int, port: int, run: str, start: int, records: list, out) -> None:
-    """One rank of the tracked() tests (spawned): log this rank's metrics of each step through tracked()."""
+def _rank_main(rank: int, world: int, port: int, fn, args: tuple, out) -> None:
+    """One spawned rank of a gloo group: out[rank] = fn(rank, *args)."""
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    out[rank] = fn(rank, *args)
+    dist.destroy_process_group()
+
+
+def _on_ranks(world: int, fn, *args) -> dict:
+    """{rank: fn(rank, *args)} from `world` spawned processes in one gloo group."""
+    import torch.multiprocessing as mp
+    from minirl.distributed import free_port
+    out = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_rank_main, args=(world, free_port(), fn, args, out), nprocs=world, join=True)
+    return dict(out)
+
+
+def _track(rank: int, run: str, start: int, records: list) -> str:
+    """One rank of the tracked() tests: log this rank's metrics of each step through tracked()."""
     args = common.parse_args("doc", "runs/x", ["--run-dir", run, "--backends", "", "--steps", "2"])
     trainer = types.SimpleNamespace(device="cpu", rank=types.SimpleNamespace(rank=rank))
     with common.tracked(args, trainer, start) as log:
         for step, metrics in records:
             log(step, metrics[rank])
-    dist.destroy_process_group()
-    out[rank] = "done"
+    return "done"
 
 
 def _tracked(tmp_path, world: int, start: int, records: list) -> list[dict]:
     """metrics.jsonl after `world` spawned ranks logged records [(step, [metrics of each rank])] from `start`."""
-    import socket
-    import torch.multiprocessing as mp
     from minirl.recipes.tracking import read_metrics
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_track, args=(world, port, str(tmp_path), start, records, out), nprocs=world, join=True)
-    assert dict(out) == dict.fromkeys(range(world), "done")
+    assert _on_ranks(world, _track, str(tmp_path), start, records) == dict.fromkeys(range(world), "done")
     return read_metrics(tmp_path / "metrics.jsonl")
 
 
@@ -269,6 +277,22 @@ def test_a_maximum_over_ranks_is_logged_as_the_maximum(tmp_path):
     (record,) = _tracked(tmp_path, 2, 1, [(1, ranks)])
     assert record["reward/mean"] == pytest.approx(0.3)
     assert (record["reward/max"], record["episode/turns_max"]) == (1.0, 3.0)
+
+
+def _pooled(rank: int, parts: list) -> float:
+    """One rank of the pooled_std test."""
+    import torch
+    return common.pooled_std(torch.tensor(parts[rank]), "cpu")
+
+
+def test_adv_std_over_ranks_is_the_std_of_every_ranks_advantages():
+    """adv/std of two ranks holding [-1, 1] and [-3, 3, 0]: each rank logs the std of all five values
+    together (sqrt(20 / 4) = 2.236), not the mean of the two ranks' stds ((1.414 + 3) / 2 = 2.207)."""
+    import torch
+    out = _on_ranks(2, _pooled, [[-1.0, 1.0], [-3.0, 3.0, 0.0]])
+    assert out[0] == out[1] == pytest.approx(5 ** 0.5)
+    assert common.pooled_std(torch.tensor([1.0, 2.0, 4.0]), "cpu") == pytest.approx(torch.tensor([1.0, 2.0, 4.0]).std())
+    assert math.isnan(common.pooled_std(torch.tensor([1.0]), "cpu"))       # as torch.std of one value
 
 
 def test_a_fresh_run_drops_an_earlier_runs_records_its_step_0_evaluation_too(tmp_path):
