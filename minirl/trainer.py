@@ -214,7 +214,11 @@ class Trainer:
                                                        compile=self.compile).float()
 
     def optim_step(self) -> dict[str, float]:
-        """Clip the gradient norm, refuse a non-finite one, step AdamW, free the gradients."""
+        """Clip the gradient norm, refuse a non-finite one, step AdamW, free the gradients. With no
+        gradient (nothing trained since the last step, e.g. every group filtered out) no weight
+        changes, so nothing steps and publish() keeps the version."""
+        if all(p.grad is None for p in self.model.parameters()):
+            return {"grad_norm": 0.0}
         self._optimizer_state_here()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm or float("inf"))
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)

@@ -322,6 +322,20 @@ def test_a_step_with_every_token_masked_trains_nothing(trainer):
     assert all(torch.equal(before[n], p.full_tensor()) for n, p in trainer.model.named_parameters())
 
 
+def test_a_step_with_nothing_trained_keeps_the_version(trainer):
+    """optim_step with no gradient (no rollout on any rank: every group filtered out) changes no weight,
+    so publish() keeps the version: no new version for the same weights, no sync, no staleness counted."""
+    trainer.optim_step()                                         # whatever an earlier test left
+    version = trainer.publish()
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert trainer.forward_backward([], ppo_loss_fn())["micro_batches"] == 0
+    assert trainer.optim_step() == {"grad_norm": 0.0}
+    assert trainer.publish() == version
+    trainer.forward_backward(_rollouts(2), ppo_loss_fn())
+    trainer.optim_step()
+    assert trainer.publish() == version + 1
+
+
 def test_compiled_layers_give_the_eager_gradients(tiny_model, trainer):
     """TrainerConfig.compile wraps each decoder layer and the log-probs' fused chunk functions in
     torch.compile (on CUDA by default; here the aot_eager backend traces the same graphs without
