@@ -155,7 +155,7 @@ def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, tokenizer_f
     sd = full_state_dict(model)
     if _rank() != 0:
         return
-    dtype = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None) or torch.float32
+    dtype = getattr(model.config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     model.save_pretrained(out_dir, state_dict={k: v.to(dtype) for k, v in sd.items()}, safe_serialization=True)
     from transformers import AutoTokenizer
