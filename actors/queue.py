@@ -40,8 +40,9 @@ class RolloutQueueActor:
         again = ray.get_runtime_context().was_current_actor_reconstructed      # restarted by Ray: empty
         self.hub = RolloutHub(max_batches, model_id=model_id, name=name, on_failure=on_failure, restarted=again)
 
-    async def _until(self, attempt, timeout_s: float | None):
-        """Under the lock, attempt() now and after each state change until it is not ... (or timeout)."""
+    async def _until(self, attempt, timeout_s: float | None, poll_s: float | None = None):
+        """Under the lock, attempt() now and after each state change (and every poll_s) until it is not
+        ... (or timeout)."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         async with self._cond:
@@ -54,7 +55,8 @@ class RolloutQueueActor:
                 if out is not ... or (left is not None and left <= 0):
                     return out
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._cond.wait(), left)
+                    await asyncio.wait_for(self._cond.wait(), left if poll_s is None or left is not None and
+                                           left < poll_s else poll_s)
 
     @guarded
     async def put(self, worker_id: str, batches: list, timeout_s: float | None = 300.0) -> int:
@@ -67,11 +69,17 @@ class RolloutQueueActor:
         return out
 
     @guarded
-    async def get(self, n: int, timeout_s: float | None = 300.0, partial_at_end: bool = True) -> list:
+    async def get(self, n: int, timeout_s: float | None = 300.0, partial_at_end: bool = True,
+                  starved_s: float | None = None) -> list | None:
         """n batches within max_staleness, waiting for the ones due first (RolloutHub.take_batches);
-        at the end (prompts closed, none pending or leased) what remains, then []."""
-        out = await self._until(lambda: ... if (got := self.hub.take_batches(n, partial_at_end=partial_at_end))
-                                is None else got, timeout_s)
+        at the end (prompts closed, none pending or leased) what remains, then []. With starved_s: None
+        instead of waiting on once a generator was refused work that long for its stale weights
+        (RolloutHub.starved): the trainer pushes its weights again, then gets."""
+        def attempt():
+            if (got := self.hub.take_batches(n, partial_at_end=partial_at_end)) is not None:
+                return got
+            return None if starved_s is not None and self.hub.starved(starved_s) else ...
+        out = await self._until(attempt, timeout_s, poll_s=None if starved_s is None else min(1.0, starved_s))
         if out is ...:
             raise TimeoutError(f"rollout queue {self.name}: no {n} batches due within {timeout_s} s (stats: "
                                f"{self.hub.stats()}): are the generators running? (a step waits for its prompts)")

@@ -31,6 +31,12 @@ from minirl.model import check_model_path, model_identity
 from minirl.trainer import Trainer, TrainerConfig
 
 
+STARVED_S = 10.0
+"""A generator the queue refused work this long for its stale weights, while the trainer waits for a batch,
+gets the trainer's weights pushed again (the collective transport publishes none for it to load itself:
+a lone generator restarted under it would wait for a push that waits for its batches)."""
+
+
 class TrainWorker:
     """TrainWorker(model, queue_address, lr=..., config=TrainerConfig(...), max_staleness=1, batch_size=8,
     transport="object_store" | "collective"). Under torchrun (or several Ray actors) every rank makes one."""
@@ -62,15 +68,23 @@ class TrainWorker:
     def pull_rollouts(self, batch_size: int | None = None):
         """Yield this rank's share (split by tokens) of each `batch_size` x world RolloutBatches,
         until the queue is finished (the last pull may hold fewer). Tensors on this rank's device."""
-        n, world, t = batch_size or self.batch_size, self.rank.world_size, self.pull_timeout
+        n, world = batch_size or self.batch_size, self.rank.world_size
         while True:
-            got = on_rank0(lambda: self._q(self.queue.get, n * world, t, wait_s=t), self.rank, "pull rollouts")
+            deadline = time.monotonic() + self.pull_timeout
+            while (got := on_rank0(lambda: self._pull(n * world, deadline), self.rank, "pull rollouts")) is None:
+                self.sync_weights()     # a generator waits for weights no published ones serve: push again
             if not got:
                 return
             self.trained_uids += [b.uid for b in got if b.uid is not None]
             got += [RolloutBatch([r.as_padding() for r in got[0]])] * max(0, world - len(got))
             mine = split_by_tokens(got, world)[self.rank.rank]
             yield [RolloutBatch([r.to(self.device) for r in b], uid=b.uid) for b in mine]
+
+    def _pull(self, n: int, deadline: float) -> list | None:
+        """Rank 0: the queue's next n batches, waiting until `deadline` (time.monotonic); None when a
+        generator was refused work STARVED_S for its stale weights meanwhile."""
+        t = max(0.0, deadline - time.monotonic())
+        return self._q(self.queue.get, n, t, True, STARVED_S, wait_s=t)
 
     def _announce_bound(self) -> None:
         """The one writer of the queue's staleness bound (RolloutHub's admission): this trainer's

@@ -35,6 +35,7 @@ actors/queue.py wraps a hub in an async Ray actor. Tests: `pytest tests/test_hub
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
@@ -105,6 +106,7 @@ class RolloutHub:
         self._lease_no = itertools.count()      # the next lease number
         self._taken = (0, 0)                    # (version, prompts delivered at it): step `version`'s share
         self._waited: set = set()               # open uids take_batches waited for (rule b)
+        self._starved: dict[str, float] = {}    # worker_id -> since when take_prompts refused it (stale weights)
         self.restarted = restarted                 # rebuilt after its actor died: empty until both rejoin
         self.awaiting = {"server", "trainer"} if restarted else set()
 
@@ -207,7 +209,9 @@ class RolloutHub:
         self._saw(version)
         lags = version is not None and self.max_staleness is not None and self._version - version > self.max_staleness
         if self._pending and (self._orphan(version) or lags):
+            self._starved.setdefault(worker_id, time.monotonic())
             return None
+        self._starved.pop(worker_id, None)
         if self.error is not None or self.awaiting:   # the run stops, or a rebuilt hub waits for its state
             return []
         k = min(k, len(self._pending))
@@ -377,6 +381,14 @@ class RolloutHub:
         self._version = int(version)
         self._top_version = max(self._top_version, self._version)
         self._weights = weights
+        self._starved.clear()          # refused for older weights: counted again from their next ask
+
+    def starved(self, for_s: float) -> list[str]:
+        """Registered workers take_prompts has refused for at least for_s seconds (weights too stale or
+        orphaned) with no version published since: ones no published weights can serve (a generator
+        restarted under the collective transport, where only a push brings weights) wait for a push."""
+        now = time.monotonic()
+        return sorted(w for w, t in self._starved.items() if w in self._workers and now - t >= for_s)
 
     def weights(self) -> tuple[int, Any]:
         """(version, weights handle) as last published by set_version."""
@@ -385,11 +397,13 @@ class RolloutHub:
     def register_worker(self, worker_id: str, handle: Any = None) -> None:
         """Record a generator (and a handle to it); a re-registered id (restarted) first loses its leases."""
         self.release_worker(worker_id)
+        self._starved.pop(worker_id, None)
         self._workers[worker_id] = handle
 
     def unregister_worker(self, worker_id: str) -> int:
         """Forget a worker and release its leases; returns how many prompts went back."""
         self._workers.pop(worker_id, None)
+        self._starved.pop(worker_id, None)
         return self.release_worker(worker_id)
 
     def workers(self) -> dict[str, Any]:

@@ -373,14 +373,18 @@ def restart_loop(worker):
     return train_loop(worker)
 
 
-def test_a_collective_push_after_a_generator_restarted(ray_local, tiny_model, cleanup):
+@pytest.mark.parametrize("n_gen", [2, 1])
+def test_a_collective_push_after_a_generator_restarted(ray_local, tiny_model, cleanup, n_gen):
     """A generator restarted under its id is in no broadcast group: the push after it rebuilds the
     group (it broadcast to the dead process and failed, as every later push did), and every generator
-    ends on the trainer's weights."""
-    name = "q-collective-restart"
-    srv = _server(tiny_model, name, 2, 24)
+    ends on the trainer's weights. Alone, the restarted generator is refused work for its stale weights
+    and no published ones serve it: the waiting trainer pushes again (STARVED_S), well within its pull
+    timeout (which it would run past, waiting for batches that wait for its push)."""
+    name = f"q-collective-restart-{n_gen}"
+    srv = _server(tiny_model, name, n_gen, 24)
     cleanup(srv)
-    pg, (trainer,) = _trainer(tiny_model, name, transport="collective", max_staleness=1, sync_timeout_s=60)
+    pg, (trainer,) = _trainer(tiny_model, name, transport="collective", max_staleness=1, sync_timeout_s=60,
+                              pull_timeout_s=60)
     cleanup(trainer, pg)
     srv.run(block=False)
     out = ray.get(trainer.run.remote(restart_loop), timeout=600)

@@ -193,6 +193,32 @@ def test_version_and_weights():
     assert hub.weights() == (4, None)
 
 
+def test_starved_names_the_workers_refused_for_stale_weights_until_served(monkeypatch):
+    """starved(for_s): registered workers take_prompts refused (weights too stale) for at least for_s,
+    with no version published since; a lease (or []) for them, a new version, or unregistering ends it."""
+    import minirl.hub
+    now = [100.0]
+    monkeypatch.setattr(minirl.hub.time, "monotonic", lambda: now[0])
+    hub = RolloutHub(max_batches=4)
+    hub.add_prompts(prompts(range(4)))
+    hub.set_max_staleness(1)
+    hub.set_version(3)
+    for w in ("a", "b", "ghost"):
+        hub.register_worker(w)
+    assert hub.take_prompts("a", 1, version=1) is None and hub.take_prompts("b", 1, version=1) is None
+    now[0] += 5.0
+    assert hub.take_prompts("a", 1, version=1) is None      # still refused: counted from the first refusal
+    assert hub.starved(5.0) == ["a", "b"] and hub.starved(5.5) == []
+    hub.unregister_worker("b")
+    assert hub.starved(0.0) == ["a"]
+    assert uids(hub.take_prompts("a", 1, version=2)) == [0]  # served: no longer starved
+    assert hub.starved(0.0) == []
+    assert hub.take_prompts("a", 1, version=1) is None
+    hub.set_version(4)                                        # a push: refusals count again from the next
+    assert hub.starved(0.0) == []
+    assert hub.take_prompts("a", 1, version=1) is None and hub.starved(0.0) == ["a"]
+
+
 def test_failed_prompt_stops_the_run_with_its_cause():
     hub = RolloutHub(max_batches=4, name="q1")
     hub.add_prompts(prompts(range(3)))
