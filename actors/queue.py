@@ -81,7 +81,7 @@ class RolloutQueueActor:
             return None if starved_s is not None and self.hub.starved(starved_s) else ...
         out = await self._until(attempt, timeout_s, poll_s=None if starved_s is None else min(1.0, starved_s))
         if out is ...:
-            raise TimeoutError(f"rollout queue {self.name}: no {n} batches due within {timeout_s} s (stats: "
+            raise TimeoutError(f"rollout queue {self.name}: no {n} batches due within {timeout_s:.3g} s (stats: "
                                f"{self.hub.stats()}): are the generators running? (a step waits for its prompts)")
         return out
 

@@ -161,6 +161,25 @@ def test_get_recycles_stale_and_waits_for_fresh():
     ray.kill(q)
 
 
+def test_get_returns_none_once_a_generator_is_starved_for_weights():
+    """get(..., starved_s): no batch, and a registered generator refused work for its stale weights
+    that long (nothing published it could load): None, for the trainer to push; without starved_s
+    the same get waits on to its timeout."""
+    qn = name()
+    q = create_queue(qn, max_batches=4, detached=False)
+    get(q.add_prompts.remote([PromptItem(uid="a", prompt="x")]))
+    get(q.set_max_staleness.remote(0))
+    get(q.set_version.remote(2))
+    get(q.register_worker.remote("w"))
+    waiting = q.get.remote(1, 20.0, True, 1.0)
+    t0 = time.monotonic()
+    assert get(q.take_prompts.remote("w", 1, 1)) is None          # version 1 lags 2 by more than 0
+    assert get(waiting) is None and 0.9 < time.monotonic() - t0 < 5
+    with pytest.raises(TimeoutError, match="no 1 batches due within 0.5 s"):
+        get(q.get.remote(1, 0.5))
+    ray.kill(q)
+
+
 def test_connect_queue_wrong_name_fails_fast():
     t0 = time.monotonic()
     with pytest.raises(LookupError, match="no rollout queue named nope-.* in namespace minirl: "
