@@ -32,9 +32,9 @@ from minirl.trainer import Trainer, TrainerConfig
 
 
 STARVED_S = 10.0
-"""A generator the queue refused work this long for its stale weights, while the trainer waits for a batch,
-gets the trainer's weights pushed again (the collective transport publishes none for it to load itself:
-a lone generator restarted under it would wait for a push that waits for its batches)."""
+"""While the trainer waits for a batch, a generator the queue has refused work this long for its stale
+weights, with none published for it to load (the collective transport publishes none), gets the trainer's
+weights pushed again: a lone generator restarted under it would wait for a push that waits for its batches."""
 
 
 class TrainWorker:

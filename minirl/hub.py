@@ -385,10 +385,11 @@ class RolloutHub:
 
     def starved(self, for_s: float) -> list[str]:
         """Registered workers take_prompts has refused for at least for_s seconds (weights too stale or
-        orphaned) with no version published since: ones no published weights can serve (a generator
-        restarted under the collective transport, where only a push brings weights) wait for a push."""
+        orphaned) with no version published since, while no weights are published for them to load
+        (the collective transport's): only a push serves them (a generator restarted alone)."""
         now = time.monotonic()
-        return sorted(w for w, t in self._starved.items() if w in self._workers and now - t >= for_s)
+        return [] if self._weights is not None else sorted(
+            w for w, t in self._starved.items() if w in self._workers and now - t >= for_s)
 
     def weights(self) -> tuple[int, Any]:
         """(version, weights handle) as last published by set_version."""

@@ -195,7 +195,8 @@ def test_version_and_weights():
 
 def test_starved_names_the_workers_refused_for_stale_weights_until_served(monkeypatch):
     """starved(for_s): registered workers take_prompts refused (weights too stale) for at least for_s,
-    with no version published since; a lease (or []) for them, a new version, or unregistering ends it."""
+    with no version published since and no weights they could load; a lease (or []) for them, a new
+    version, or unregistering ends it."""
     import minirl.hub
     now = [100.0]
     monkeypatch.setattr(minirl.hub.time, "monotonic", lambda: now[0])
@@ -217,6 +218,8 @@ def test_starved_names_the_workers_refused_for_stale_weights_until_served(monkey
     hub.set_version(4)                                        # a push: refusals count again from the next
     assert hub.starved(0.0) == []
     assert hub.take_prompts("a", 1, version=1) is None and hub.starved(0.0) == ["a"]
+    hub.set_version(4, weights=["refs"])                      # published: it loads them itself
+    assert hub.take_prompts("a", 1, version=1) is None and hub.starved(0.0) == []
 
 
 def test_failed_prompt_stops_the_run_with_its_cause():
