@@ -228,6 +228,7 @@ class RolloutHub:
 
     def release_worker(self, worker_id: str) -> int:
         """A lost worker's leases go back to the pending queue's front (in order, attempts+1); how many."""
+        self._starved.pop(worker_id, None)       # a lost or re-registered worker: not starved
         return self._requeue_front([u for u, w in self._leases.items() if w == worker_id])
 
     def _requeue_front(self, uids: list) -> int:
@@ -323,8 +324,7 @@ class RolloutHub:
                               "or build the RolloutServer with on_failure='skip' to record and skip it")
         return taken
 
-    def failures(self) -> dict:
-        """uid -> cause of every prompt whose request failed."""
+    def failures(self) -> dict:     # uid -> cause of every prompt whose request failed
         return dict(self._failed)
 
     def rollback(self, trained: list, version: int) -> int:
@@ -384,27 +384,22 @@ class RolloutHub:
         self._starved.clear()          # refused for older weights: counted again from their next ask
 
     def starved(self, for_s: float) -> list[str]:
-        """Registered workers take_prompts has refused for at least for_s seconds (weights too stale or
-        orphaned) with no version published since, while no weights are published for them to load
-        (the collective transport's): only a push serves them (a generator restarted alone)."""
-        now = time.monotonic()
+        """Registered workers take_prompts refused (stale or orphaned weights) for >= for_s s, no version
+        published since nor weights they could load (the collective transport's): only a push serves them."""
         return [] if self._weights is not None else sorted(
-            w for w, t in self._starved.items() if w in self._workers and now - t >= for_s)
+            w for w, t in self._starved.items() if w in self._workers and time.monotonic() - t >= for_s)
 
-    def weights(self) -> tuple[int, Any]:
-        """(version, weights handle) as last published by set_version."""
+    def weights(self) -> tuple[int, Any]:     # (version, weights handle) as set_version published them
         return self._version, self._weights
 
     def register_worker(self, worker_id: str, handle: Any = None) -> None:
         """Record a generator (and a handle to it); a re-registered id (restarted) first loses its leases."""
         self.release_worker(worker_id)
-        self._starved.pop(worker_id, None)
         self._workers[worker_id] = handle
 
     def unregister_worker(self, worker_id: str) -> int:
         """Forget a worker and release its leases; returns how many prompts went back."""
         self._workers.pop(worker_id, None)
-        self._starved.pop(worker_id, None)
         return self.release_worker(worker_id)
 
     def workers(self) -> dict[str, Any]:
