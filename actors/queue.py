@@ -54,9 +54,9 @@ class RolloutQueueActor:
                 left = None if deadline is None else deadline - loop.time()
                 if out is not ... or (left is not None and left <= 0):
                     return out
+                wait = left if poll_s is None else poll_s if left is None else min(left, poll_s)
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._cond.wait(), left if poll_s is None or left is not None and
-                                           left < poll_s else poll_s)
+                    await asyncio.wait_for(self._cond.wait(), wait)
 
     @guarded
     async def put(self, worker_id: str, batches: list, timeout_s: float | None = 300.0) -> int:

@@ -84,23 +84,23 @@ class TrainWorker:
         """Rank 0: the queue's next n batches, waiting until `deadline` (time.monotonic); None when a
         generator was refused work STARVED_S for its stale weights meanwhile."""
         t = max(0.0, deadline - time.monotonic())
-        return self._q(self.queue.get, n, t, True, STARVED_S, wait_s=t)
+        return self._q(self.queue.get, n, t, starved_s=STARVED_S, wait_s=t)
 
     def _announce_bound(self) -> None:
         """The one writer of the queue's staleness bound (RolloutHub's admission): this trainer's
         max_staleness and prompts per step, at its start and again to a restarted queue."""
         self._q(self.queue.set_max_staleness, self.max_staleness, self._step_prompts)
 
-    def _q(self, method, *args, wait_s: float = 0.0):
+    def _q(self, method, *args, wait_s: float = 0.0, **kwargs):
         """A queue call, made again across a restart of the queue's actor; if the restarted queue waits
         for this trainer (QueueRestarted), it first rejoins with its bound, what it pulled, its version
         and weights."""
         try:
-            return placement.call(method, *args, timeout_s=wait_s + self.timeout, what="rollout queue")
+            return placement.call(method, *args, timeout_s=wait_s + self.timeout, what="rollout queue", **kwargs)
         except QueueRestarted:
             self._announce_bound()
             self._q(self.queue.rejoin_trainer, self.trained_uids, self.policy_version, self.pusher.published)
-            return self._q(method, *args, wait_s=wait_s)
+            return self._q(method, *args, wait_s=wait_s, **kwargs)
 
     def sync_weights(self) -> dict:
         """Publish the trainer's weights as a version and push them to every generator; with
