@@ -44,7 +44,7 @@ def _pull_where_rank0_fails(rank: int, port: int, out) -> None:
         SimpleNamespace(rank=rank, world_size=2), 1, 1.0, [])
     worker.queue = SimpleNamespace(get=None)
 
-    def unreachable(method, *args, wait_s=0.0):
+    def unreachable(method, *args, **kwargs):
         raise TimeoutError("rollout queue did not answer within 601 s")
     worker._q = unreachable
     t0 = time.time()
