@@ -371,51 +371,67 @@ from test_trainer import _rollouts
 from minirl import ppo_loss_fn
 from minirl.lora import LoRAConfig
 from minirl.trainer import Trainer, TrainerConfig
-tr = Trainer({model!r}, TrainerConfig(lr=1e-3, eps=1e-3,      # eps: AdamW's first step smooth in the gradient
-                                      lora=LoRAConfig(rank=4) if {mode!r} == "lora" else None,
-                                      cpu_offload={mode!r} == "offload"))
-rs = _rollouts(7)
-world, rank = dist.get_world_size(), dist.get_rank()
-mine = rs if world == 1 else (rs[:2] if rank == 0 else rs[2:])     # uneven on purpose
-if {mode!r} == "empty" and world > 1:                                   # one rank with nothing to train
-    mine = rs if rank == 0 else []
-out = tr.forward_backward(mine, ppo_loss_fn(entropy=False))
-grads = {{n: p.grad.full_tensor() for n, p in tr.model.named_parameters() if p.grad is not None}}
-tr.optim_step()
-weights = {{}}                                  # after the step, as the engine gets them (LoRA: merged)
-tr.gather(lambda bucket: weights.update((n, t.clone()) for n, t in bucket), dtype=torch.float32)
-tr.export_hf({out!r} + f"/hf_{{world}}")       # collective; rank 0 writes
-if {mode!r} == "full":                         # a checkpoint saved twice: every rank refuses, none waits
-    from minirl.checkpoint import Checkpointer, CheckpointError
-    ck = Checkpointer({out!r} + f"/ck_{{world}}")
-    tr.save_checkpoint(ck, 1)
-    try:
+opened = []                                     # closed last: the first one owns the process group
+for mode in {modes!r}:                         # one launch for every mode (each one costs a torch import)
+    out_dir = {out!r} + "/" + mode
+    tr = Trainer({model!r}, TrainerConfig(lr=1e-3, eps=1e-3,  # eps: AdamW's first step smooth in the gradient
+                                          lora=LoRAConfig(rank=4) if mode == "lora" else None,
+                                          cpu_offload=mode == "offload"))
+    opened.append(tr)
+    rs = _rollouts(7)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = rs if world == 1 else (rs[:2] if rank == 0 else rs[2:])     # uneven on purpose
+    if mode == "empty" and world > 1:                                   # one rank with nothing to train
+        mine = rs if rank == 0 else []
+    out = tr.forward_backward(mine, ppo_loss_fn(entropy=False))
+    grads = {{n: p.grad.full_tensor() for n, p in tr.model.named_parameters() if p.grad is not None}}
+    tr.optim_step()
+    weights = {{}}                              # after the step, as the engine gets them (LoRA: merged)
+    tr.gather(lambda bucket: weights.update((n, t.clone()) for n, t in bucket), dtype=torch.float32)
+    tr.export_hf(out_dir + f"/hf_{{world}}")    # collective; rank 0 writes
+    if mode == "full":                         # a checkpoint saved twice: every rank refuses, none waits
+        from minirl.checkpoint import Checkpointer, CheckpointError
+        ck = Checkpointer(out_dir + f"/ck_{{world}}")
         tr.save_checkpoint(ck, 1)
-    except CheckpointError as e:
-        open({out!r} + f"/resave_{{world}}_{{rank}}.txt", "w").write(str(e))
-if rank == 0:
-    torch.save((grads, weights), {out!r} + f"/grads_{{world}}.pt")
-    json.dump(out, open({out!r} + f"/out_{{world}}.json", "w"))
-dist.barrier()                                  # both ranks tear down together
-tr.close()
+        try:
+            tr.save_checkpoint(ck, 1)
+        except CheckpointError as e:
+            open(out_dir + f"/resave_{{world}}_{{rank}}.txt", "w").write(str(e))
+    if rank == 0:
+        torch.save((grads, weights), out_dir + f"/grads_{{world}}.pt")
+        json.dump(out, open(out_dir + f"/out_{{world}}.json", "w"))
+    dist.barrier()                              # both ranks go on together
+for tr in reversed(opened):
+    tr.close()
 """
+MODES = ["full", "lora", "offload", "empty"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tiny_model, tmp_path_factory):
+    """TWO_RANKS on 1 and then 2 ranks (torchrun), every mode in each: the directory of their outputs."""
+    from conftest import ROOT
+    out = tmp_path_factory.mktemp("two_ranks")
+    for mode in MODES:
+        (out / mode).mkdir()
+    script = out / "two_ranks.py"
+    script.write_text(TWO_RANKS.format(tests=str(ROOT / "tests"), model=tiny_model, out=str(out), modes=MODES))
+    for n in (1, 2):
+        res = run_py(["-m", "torch.distributed.run", "--nproc_per_node", str(n), str(script)], timeout=400)
+        assert res.returncode == 0, res.stderr[-3000:]
+    return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["full", "lora", "offload", "empty"])
-def test_two_ranks_with_uneven_rollouts_give_the_one_rank_update(tiny_model, tmp_path, mode):
+@pytest.mark.parametrize("mode", MODES)
+def test_two_ranks_with_uneven_rollouts_give_the_one_rank_update(two_rank_runs, mode):
     """Gradients, and the weights the engine gets after the step (LoRA: merged), of 1 and 2 ranks;
     "empty": one rank holds every rollout, the other none (its metrics still meet the other's)."""
-    from conftest import ROOT
-    script = tmp_path / "two_ranks.py"
-    script.write_text(TWO_RANKS.format(tests=str(ROOT / "tests"), model=tiny_model, out=str(tmp_path), mode=mode))
-    for n in (1, 2):
-        res = run_py(["-m", "torch.distributed.run", "--nproc_per_node", str(n), str(script)], timeout=300)
-        assert res.returncode == 0, res.stderr[-3000:]
-    (g1, w1), (g2, w2) = (torch.load(tmp_path / f"grads_{n}.pt") for n in (1, 2))
+    d = two_rank_runs / mode
+    (g1, w1), (g2, w2) = (torch.load(d / f"grads_{n}.pt") for n in (1, 2))
     if mode == "full":                                  # rank 1 waited at the save's barrier before
-        assert all("already exists" in (tmp_path / f"resave_2_{r}.txt").read_text() for r in (0, 1))
-    o1, o2 = (json.load(open(tmp_path / f"out_{n}.json")) for n in (1, 2))
+        assert all("already exists" in (d / f"resave_2_{r}.txt").read_text() for r in (0, 1))
+    o1, o2 = (json.load(open(d / f"out_{n}.json")) for n in (1, 2))
     assert o1["tokens"] == o2["tokens"] and o1["loss"] == pytest.approx(o2["loss"], abs=1e-6)
     assert g1.keys() == g2.keys() and all(".lora_" in n for n in g1) == (mode == "lora")
     for n in g1:
@@ -424,7 +440,7 @@ def test_two_ranks_with_uneven_rollouts_give_the_one_rank_update(tiny_model, tmp
     for n in w1:
         torch.testing.assert_close(w1[n], w2[n], atol=1e-6, rtol=1e-5)
     from safetensors.torch import load_file
-    exported = load_file(tmp_path / "hf_2" / "model.safetensors")     # the 2-rank export: the same weights
+    exported = load_file(d / "hf_2" / "model.safetensors")     # the 2-rank export: the same weights
     assert exported.keys() == w2.keys() and all(torch.equal(exported[n], w2[n]) for n in w2)
 
 
