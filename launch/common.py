@@ -45,12 +45,8 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}\n")
 
 
-def parse_args(doc: str, run_dir: str, argv=None, *, async_loop: bool = False):
-    """The command line of both loops; flags marked (co-located) or (async) matter to one only (the other refuses them).
-    Nonsense values (zero steps, a negative rate, ...) stop here, naming the flag and its range.
-    With --resume, flags not given take the run's saved values (resume_settings)."""
-    p = Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add = p.add_argument
+def _task_flags(p):
+    add = p.add_argument_group("task and data").add_argument
     add("--model", default=None, help="HF name or path, or a packaged model: smollm2 (SmolLM2-135M-Instruct "
         "from its PyPI wheel, minirl.recipes.packaged) (default: build the tiny model)")
     add("--task", default="succ", choices=task_names(),
@@ -66,6 +62,10 @@ def parse_args(doc: str, run_dir: str, argv=None, *, async_loop: bool = False):
     add("--thinking", default=None, action=argparse.BooleanOptionalAction,
         help="enable_thinking of Qwen3-style chat templates (default: the template's)")
     add("--no-chat-template", action="store_true", help="plain-text prompts even if the tokenizer has a template")
+
+
+def _step_flags(p):
+    add = p.add_argument_group("the step").add_argument
     add("--steps", type=int, default=60)
     add("--prompts", type=int, default=32, help="prompts per step per rank")
     add("--group-size", type=int, default=8, help="samples per prompt (GRPO needs >= 2)")
@@ -73,6 +73,23 @@ def parse_args(doc: str, run_dir: str, argv=None, *, async_loop: bool = False):
     add("--max-model-len", type=int, default=256)
     add("--epochs", type=int, default=1, help="passes over each batch")
     add("--optim-steps", type=int, default=1, help="optimizer steps per pass (gradients accumulated)")
+    add("--lr", type=float, default=2e-3)
+    add("--seed", type=int, default=0)
+    add("--kl-coef", type=float, default=0.0, help="KL penalty toward the starting policy")
+    add("--kl-estimator", default="k3", choices=["k1", "k2", "k3"])
+    add("--reference", action="store_true", help="log kl_ref (implied by --kl-coef)")
+    add("--off-policy", default=None, choices=["none", "tis", "mis"],
+        help="correct off-policy tokens (decoupled PPO: importance weight trainer / sampler, truncated "
+             "(tis) or masked (mis)); default: tis for async, none co-located")
+    add("--dynamic-sampling", action="store_true", help="(co-located) DAPO: drop all-equal groups, refill")
+    add("--refill-rounds", type=int, default=4, help="(co-located) generation rounds per step at most")
+    add("--overlong-filter", action="store_true", help="truncated completions get no gradient")
+    add("--overlong-cache", type=int, default=0, metavar="L",
+        help="DAPO over-long penalty: 0 up to max-tokens - L, then down to -1 at max-tokens (0: off)")
+
+
+def _trainer_flags(p):
+    add = p.add_argument_group("the trainer's memory and speed").add_argument
     add("--micro-batch-tokens", type=int, default=None, help="tokens per packed micro-batch (default: planned on "
         "CUDA, the largest of 32,768 / 16,384 / 8,192 that fits without recomputing layers, at activation "
         "memory budget 1 or else 0.6; 4,096 on CPU)")
@@ -88,54 +105,63 @@ def parse_args(doc: str, run_dir: str, argv=None, *, async_loop: bool = False):
     add("--lora-alpha", type=float, default=None, help="LoRA scale alpha / rank (default alpha: 2 x rank)")
     add("--lora-also-train", default="", help="comma list of modules trained in full, e.g. embed_tokens")
     add("--offload", action="store_true", help="parameters, gradients and AdamW state on the host")
-    add("--kl-coef", type=float, default=0.0, help="KL penalty toward the starting policy")
-    add("--kl-estimator", default="k3", choices=["k1", "k2", "k3"])
-    add("--reference", action="store_true", help="log kl_ref (implied by --kl-coef)")
     add("--reference-offload", action="store_true", help="the reference policy's shards on the host")
-    add("--lr", type=float, default=2e-3)
-    add("--seed", type=int, default=0)
-    add("--eval-every", type=int, default=0, metavar="K", help="evaluate on the held-out rows every K steps")
-    add("--eval-samples", type=int, default=4, help="sampled completions per held-out prompt (pass@k)")
-    add("--eval-k", type=int, default=4, help="k of pass@k (<= --eval-samples)")
-    add("--dynamic-sampling", action="store_true", help="(co-located) DAPO: drop all-equal groups, refill")
-    add("--refill-rounds", type=int, default=4, help="(co-located) generation rounds per step at most")
-    add("--overlong-filter", action="store_true", help="truncated completions get no gradient")
-    add("--overlong-cache", type=int, default=0, metavar="L",
-        help="DAPO over-long penalty: 0 up to max-tokens - L, then down to -1 at max-tokens (0: off)")
-    add("--run-dir", default=run_dir)
-    add("--backends", default="tensorboard", help="comma list: tensorboard,wandb,mlflow")
-    add("--save-every", type=int, default=0, metavar="K", help="checkpoint every K steps (0: never)")
-    add("--resume", action="store_true", help="continue from the latest checkpoint in RUN_DIR; flags not given "
-        "keep the run's values (RUN_DIR/args.json), and those that define the run must match them")
-    add("--traceback", action="store_true", help="on an error, the whole traceback (default: one line 'error: ...'; "
-        "exit status 2 when it was found before any model or engine started, 1 when the run failed)")
-    add("--verbose", action="store_true", help="vLLM's, Ray's, transformers' and torch's own logs and progress "
-        "bars (default: their errors only)")
+
+
+def _engine_flags(p):
+    add = p.add_argument_group("the generation engine and the weight sync").add_argument
     add("--eager", action="store_true", help="vLLM without CUDA graphs (always so on CPU)")
     add("--compilation-config", type=json_object, default=None, metavar="JSON",
         help='vLLM\'s compilation_config (default: full CUDA graphs on Hopper, vLLM\'s own elsewhere), '
              'e.g. \'{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}\'')
     add("--engine-kwargs", type=json_object, default=None, metavar="JSON",
         help='more vllm.LLM arguments, over the launch\'s own, e.g. \'{"attention_backend": "FLASH_ATTN"}\'')
-    add("--no-verify", action="store_true", help="skip the check of every weight sync")
-    add("--no-sync", action="store_true", help="(co-located) ablation: never load trained weights into vLLM")
+    add("--gpu-memory-utilization", type=float, default=None, help="vLLM's own, not the plan")
     add("--sleep-level", type=int, default=None, choices=[0, 2],
         help="(co-located, CUDA) 2: the engine sleeps while training (default); 0: resident")
     add("--kv-cache-gib", type=float, default=None, help="(co-located) default: planned")
     add("--offload-optimizer", default="auto", choices=["auto", "on", "off"],
         help="(co-located, CUDA) AdamW's state on the host while generating; auto: when the KV cache needs it")
-    add("--gpu-memory-utilization", type=float, default=None, help="vLLM's own, not the plan")
+    add("--no-verify", action="store_true", help="skip the check of every weight sync")
+    add("--no-sync", action="store_true", help="(co-located) ablation: never load trained weights into vLLM")
+
+
+def _run_flags(p, run_dir: str):
+    add = p.add_argument_group("the run").add_argument
+    add("--run-dir", default=run_dir)
+    add("--backends", default="tensorboard", help="comma list: tensorboard,wandb,mlflow")
+    add("--save-every", type=int, default=0, metavar="K", help="checkpoint every K steps (0: never)")
+    add("--resume", action="store_true", help="continue from the latest checkpoint in RUN_DIR; flags not given "
+        "keep the run's values (RUN_DIR/args.json), and those that define the run must match them")
+    add("--eval-every", type=int, default=0, metavar="K", help="evaluate on the held-out rows every K steps")
+    add("--eval-samples", type=int, default=4, help="sampled completions per held-out prompt (pass@k)")
+    add("--eval-k", type=int, default=4, help="k of pass@k (<= --eval-samples)")
+    add("--traceback", action="store_true", help="on an error, the whole traceback (default: one line 'error: ...'; "
+        "exit status 2 when it was found before any model or engine started, 1 when the run failed)")
+    add("--verbose", action="store_true", help="vLLM's, Ray's, transformers' and torch's own logs and progress "
+        "bars (default: their errors only)")
+
+
+def _placement_flags(p):
+    add = p.add_argument_group("Ray placement and the async queue").add_argument
     add("--ray", type=int, default=0, metavar="N", help="(co-located) run on N Ray actors (SPMD)")
     add("--role", default="both", choices=["both", "server", "trainer"], help="(async) this job's side")
     add("--queue", default="minirl-rollouts", help="(async) name of the rollout queue")
     add("--generators", type=int, default=1, help="(async)")
     add("--max-staleness", type=int, default=1, help="(async) policy versions a rollout may lag")
     add("--transport", default="object_store", choices=["object_store", "collective"], help="(async)")
-    add("--off-policy", default=None, choices=["none", "tis", "mis"],
-        help="correct off-policy tokens (decoupled PPO: importance weight trainer / sampler, truncated "
-             "(tis) or masked (mis)); default: tis for async, none co-located")
     add("--gen-resources", default=None, type=json_object, metavar="JSON",
         help='(async) one generator\'s bundle, e.g. \'{"CPU": 1, "GPU": 1, "gen_pool": 1}\'')
+
+
+def parse_args(doc: str, run_dir: str, argv=None, *, async_loop: bool = False):
+    """The command line of both loops; flags marked (co-located) or (async) matter to one only (the other refuses them).
+    Nonsense values (zero steps, a negative rate, ...) stop here, naming the flag and its range.
+    With --resume, flags not given take the run's saved values (resume_settings)."""
+    p = Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for add_flags in (_task_flags, _step_flags, _trainer_flags, _engine_flags, _placement_flags):
+        add_flags(p)
+    _run_flags(p, run_dir)
     args = p.parse_args(argv)
     defaults = {a.dest: a.default for a in p._actions}      # before --resume suppresses them
     if args.resume:
