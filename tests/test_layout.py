@@ -1,6 +1,7 @@
 """The import layout, read from the source (every import, at the top or inside a function):
 launch/ -> actors/ -> minirl/, never back; the core library (minirl/*.py) imports neither the
-recipes (minirl/recipes/) nor Ray; no two modules of minirl/ import each other through any path.
+recipes (minirl/recipes/) nor Ray; no two modules of minirl/ import each other through any path;
+README's Layout block names every module.
 
 Needs: CPU only, nothing imported (ast); well under a second.
 """
@@ -82,3 +83,20 @@ def test_the_layout_reader_sees_a_circle():
     finally:
         a.unlink(missing_ok=True)
         b.unlink(missing_ok=True)
+
+
+def test_the_readme_layout_names_every_module():
+    """README's Layout block names each module of minirl/, minirl/recipes/, actors/, launch/ and
+    benchmarks/ in its folder's entry, so a new file cannot go unlisted."""
+    import re
+    block = (ROOT / "README.md").read_text().split("## Layout", 1)[1].split("```")[1]
+    entries, folder = {}, None
+    for line in block.splitlines():
+        if m := re.match(r"(\S+/)\s", line):
+            folder = m.group(1)
+        if folder:
+            entries[folder] = entries.get(folder, "") + line
+    missing = {folder: [p.stem for p in sorted((ROOT / folder).glob("*.py")) if p.stem != "__init__"
+                        and not re.search(rf"\b{p.stem}\b", entries.get(folder, ""))]
+               for folder in ("minirl/", "minirl/recipes/", "actors/", "launch/", "benchmarks/")}
+    assert not any(missing.values()), f"README's Layout lacks {missing}"
