@@ -11,7 +11,8 @@ the median of --repeat runs timed with CUDA events after two warm-ups; and the m
 beyond the logits (and, for backward, their gradient). Rows "minirl fused": the same functions with
 compile= (inductor on CUDA), the trainer's default there, and how far its numbers are from the reference's. For scale: the LM head's matmul forward and
 backward at the same rows (hidden --hidden). --baseline PATH loads another core.py (e.g. an earlier
-commit's: `git show REV:minirl/core.py > old_core.py`) and times its functions the same way.
+commit's: `git show REV:minirl/core.py > old_core.py`) and times its functions the same way (its fused
+path too, where it has one).
 Hardware: one CUDA GPU (on CPU it runs, slowly, at --rows 512).
 """
 
@@ -110,8 +111,10 @@ def main(argv=None):
         mods["minirl fused"] = (core, {"compile": backend})
     if args.baseline:
         spec = importlib.util.spec_from_file_location("baseline_core", args.baseline)
-        mods["baseline"] = (importlib.util.module_from_spec(spec), {})
-        spec.loader.exec_module(mods["baseline"][0])
+        base = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(base)
+        takes = backend and "compile" in inspect.signature(base.token_logprobs).parameters
+        mods["baseline"] = (base, {"compile": backend} if takes else {})      # its fused path, where it has one
     h = hidden.detach().requires_grad_()
     up = torch.randn_like(logits)
 

@@ -26,10 +26,12 @@ for stage in "$@"; do
       MINIRL_RESULTS_DIR=$out/tests timeout 300 python -m pytest tests/gpu/test_trainer_gpu.py -q 2>&1 | tail -8 ;;
     varlen-gqa)   # packed attention with grouped K/V heads as they are vs repeated per query head (0.6B, 4B)
       timeout 200 python benchmarks/varlen_gqa.py --out "$out/varlen_gqa.json" 2>&1 | tail -4 ;;
-    logprobs)   # token_logprobs plain and compiled at 16,384 rows (0.6B's LM head) and 8,192 (4B's)
-      timeout 200 python benchmarks/logprobs.py --out "$out/logprobs_h200.json" 2>&1 | tail -9
-      timeout 200 python benchmarks/logprobs.py --rows 8192 --hidden 2560 --temperatures 1.0 \
-        --out "$out/logprobs_h200_8k.json" 2>&1 | tail -7 ;;
+    logprobs)   # token_logprobs plain and fused at 16,384 rows (0.6B's LM head) and 8,192 (4B's);
+      # LOGPROBS_BASELINE=PATH: another core.py beside it (`git show REV:minirl/core.py > PATH`)
+      base=(); [[ -n ${LOGPROBS_BASELINE:-} ]] && base=(--baseline "$LOGPROBS_BASELINE")
+      timeout 200 python benchmarks/logprobs.py "${base[@]}" --out "$out/logprobs_h200.json" 2>&1 | tail -12
+      timeout 200 python benchmarks/logprobs.py "${base[@]}" --rows 8192 --hidden 2560 --temperatures 1.0 \
+        --out "$out/logprobs_h200_8k.json" 2>&1 | tail -9 ;;
     tests-0.6b|tests-4b|tests-smollm2)   # the same co-located tests at the Qwen3-0.6B / 4B shapes, or on SmolLM2-135M
       shape=${stage#tests-}; [[ $shape == smollm2 ]] || shape=qwen3-$shape
       MINIRL_GPU_SHAPE=$shape MINIRL_RESULTS_DIR=$out/tests_${stage#tests-} timeout 400 python -m pytest tests/gpu -q \

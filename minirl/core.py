@@ -118,10 +118,22 @@ def _fused_backward(x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g
 
 @functools.cache
 def fused_kernels(backend: str):
-    """_fused_forward / _fused_backward under torch.compile(backend) (dynamic rows: one compile for
-    every chunk length)."""
-    return (torch.compile(_fused_forward, backend=backend, dynamic=True),
-            torch.compile(_fused_backward, backend=backend, dynamic=True))
+    """The fused path's (forward, backward): minirl.kernels' Triton kernels for logits they take (CUDA:
+    one read forward, one read and one write backward), else _fused_forward / _fused_backward under
+    torch.compile(backend) (dynamic rows: one compile for every chunk length)."""
+    compiled = (torch.compile(_fused_forward, backend=backend, dynamic=True),
+                torch.compile(_fused_backward, backend=backend, dynamic=True))
+    try:
+        from minirl import kernels
+    except ImportError:                     # no triton
+        return compiled
+
+    def forward(x, *a):
+        return (kernels.forward if kernels.usable(x) else compiled[0])(x, *a)
+
+    def backward(x, *a):
+        return (kernels.backward if kernels.usable(x) else compiled[1])(x, *a)
+    return forward, backward
 
 
 _FUSED_ROWS = 4096

@@ -55,10 +55,12 @@ def test_varlen_packing_matches_unpacked_and_sdpa(tmp_path):
 def test_token_logprobs_on_cuda_match_fp64(compile):
     """The chunked log-probs, their gradient and the fused entropy on bf16 CUDA logits at a real
     vocabulary's width equal the fp64 reference of the same bf16 values, on the plain path and on
-    the compiled one the trainer takes on CUDA (compile="inductor")."""
+    the fused one the trainer takes on CUDA (compile="inductor": minirl.kernels' Triton kernels)."""
+    from minirl import kernels
     from minirl.core import token_logprobs
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(300, 151936, device="cuda", generator=g) * 3).bfloat16().requires_grad_()
+    assert compile is None or kernels.usable(x)
     tg = torch.randint(0, 151936, (300,), device="cuda", generator=g)
     for temp in (1.0, 0.7):
         lp, ent = token_logprobs(x, tg, temperature=temp, entropy=True, chunk_size=64, compile=compile)
@@ -73,7 +75,7 @@ def test_token_logprobs_on_cuda_match_fp64(compile):
 
 
 def test_fused_token_logprobs_memory_on_cuda():
-    """The compiled path's forward + backward over 8,192 rows of bf16 logits at the real vocabulary
+    """The fused path's forward + backward over 8,192 rows of bf16 logits at the real vocabulary
     holds at most the logits' gradient plus half the logits' size beyond them (the issue's bound:
     2x the logits), whatever rows per chunk it takes."""
     from minirl.core import token_logprobs
