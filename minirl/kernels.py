@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 4096      # logits a program reads at once
-NEG_INF = float("-inf")
+NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
