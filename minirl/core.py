@@ -52,8 +52,9 @@ class _TokenLogprobs(torch.autograd.Function):
     """log_softmax(logits / T)[target] for (N, V) logits, a chunk of rows at a time, and (when asked)
     each row's entropy. Forward keeps only the logits; backward rebuilds each chunk's softmax and
     writes (onehot - p) * g / T into the (N, V) result in the logits' dtype, in place where it can.
-    With `fused` (compiled _fused_forward / _fused_backward) each chunk is one or two kernels that
-    read the logits where they lie: forward keeps each row's log-sum-exp, backward is one pass."""
+    With `fused` (fused_kernels: Triton's on CUDA, else compiled _fused_forward / _fused_backward) each
+    chunk is one or two kernels that read the logits where they lie: forward keeps each row's
+    log-sum-exp, backward is one pass."""
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, chunk, entropy, fused):
@@ -151,7 +152,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     """log p(targets[i]) under softmax(logits[i] / temperature): (N, V), (N,) -> (N,), no shift.
     fp32 (fp64 for fp64 logits), differentiable, chunked: never an fp32 copy of the logits. With
     entropy=True returns (log-probs, entropies): each row's entropy (nats, no gradient) from the
-    same pass. compile: a torch.compile backend for the fused path; None: plain torch, the reference."""
+    same pass. compile: the fused path (minirl.kernels on CUDA; elsewhere this torch.compile backend);
+    None: plain torch, the reference."""
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)}: pass "
                          "(N, V) logits and the (N,) token ids they score")

@@ -77,9 +77,9 @@ class TrainerConfig:
     reference_offload: bool = False
     """Keep the reference policy's shards on the host (CPUOffloadPolicy) between its forwards."""
     compile: bool | str | Callable | None = None
-    """torch.compile each decoder layer (dynamic shapes) and the log-probs' pass over the logits
-    (core.token_logprobs(compile=)). None: on CUDA (inductor), off on CPU; True: inductor; a str:
-    that backend; False: eager."""
+    """torch.compile each decoder layer (dynamic shapes), and take the fused log-probs over the logits
+    (core.token_logprobs(compile=): minirl.kernels' Triton kernels on CUDA, compiled math elsewhere).
+    None: on CUDA (inductor), off on CPU; True: inductor; a str: that backend; False: eager."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
