@@ -2,6 +2,7 @@
 run by Triton's interpreter on CPU: a subprocess, since TRITON_INTERPRET is read when the kernels are
 defined. On CUDA the same kernels meet the trainer in tests/gpu/test_trainer_gpu.py."""
 
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
 
 CHECK = r"""
+import json
 import torch
 from minirl import core, kernels
 torch.manual_seed(0)
@@ -36,7 +38,7 @@ for dtype in (torch.bfloat16, torch.float32):
                          "lse": lse.double() - torch.logsumexp(x.double() / T, -1),
                          "grad": (out.double() - xd.grad) / xd.grad.abs().clamp(min=1e-3)}.items():
                 worst[k] = max(worst.get(k, 0.0), d.abs().max().item())
-print(worst)
+print(json.dumps(worst))
 """
 
 
@@ -48,7 +50,7 @@ def test_kernels_match_the_reference_log_probs_entropies_and_gradients():
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", CHECK], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    worst = eval(done.stdout.strip().splitlines()[-1])
+    worst = json.loads(done.stdout.strip().splitlines()[-1])
     assert worst["lp"] < 1e-4 and worst["lse"] < 1e-4 and worst["ent"] < 1e-4, worst
     assert worst["lp_alone"] == 0.0, worst            # entropy or not, the same log-probs
     assert worst["grad"] < 2 ** -7, worst              # relative: bf16's step (the interpreter truncates)
