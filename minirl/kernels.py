@@ -5,10 +5,11 @@
 
 Forward reads the logits once: each program walks one row in blocks, keeping the running maximum m
 and, per lane, s = sum exp(z - m) and t = sum exp(z - m) z (both rescaled when m grows), so that with
-the lanes' sums S and T, log-sum-exp = m + log S and entropy = lse - T / S. Backward reads them once and writes the gradient
-once. The same math as core._fused_forward / _fused_backward (which torch.compile runs elsewhere, in
-three passes forward). Checked against core's reference: tests/test_kernels.py under Triton's
-interpreter on CPU, tests/gpu on CUDA. Hardware: CUDA GPUs (bf16, fp16 or fp32 logits).
+the lanes' sums S and T, log-sum-exp = m + log S and entropy = lse - T / S. Backward reads them once
+and writes the gradient once. The same math as core._fused_forward / _fused_backward (which
+torch.compile runs elsewhere, in three passes forward). Checked against core's reference:
+tests/test_kernels.py under Triton's interpreter on CPU, tests/gpu on CUDA. Hardware: CUDA GPUs
+(bf16, fp16 or fp32 logits).
 """
 
 from __future__ import annotations
