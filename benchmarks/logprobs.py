@@ -9,7 +9,8 @@ Times minirl.core.token_logprobs on bf16 logits of one packed micro-batch (defau
 forward + backward, and entropy_from_logits (a separate pass, what logging entropy cost before), each
 the median of --repeat runs timed with CUDA events after two warm-ups; and the memory each holds
 beyond the logits (and, for backward, their gradient). Rows "minirl fused": the same functions with
-compile= (inductor on CUDA), the trainer's default there, and how far its numbers are from the reference's. For scale: the LM head's matmul forward and
+compile= (on CUDA minirl.kernels' Triton kernels), the trainer's path there, and how far its numbers
+are from the plain path's. For scale: the LM head's matmul forward and
 backward at the same rows (hidden --hidden). --baseline PATH loads another core.py (e.g. an earlier
 commit's: `git show REV:minirl/core.py > old_core.py`) and times its functions the same way (its fused
 path too, where it has one).
@@ -93,8 +94,8 @@ def main(argv=None):
     ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--baseline", default=None, help="another core.py to time beside this one")
-    ap.add_argument("--compile", default=None, help="the fused path's torch.compile backend (default: "
-                    "inductor on CUDA, none on CPU); its rows are named 'minirl fused'")
+    ap.add_argument("--compile", default=None, help="the compile= the fused rows pass (default: inductor "
+                    "on CUDA, none on CPU: no fused rows); its rows are named 'minirl fused'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -8,7 +8,6 @@ one shorter than token_ids. Masks are 1 for tokens that count (completion tokens
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
@@ -52,9 +51,8 @@ class _TokenLogprobs(torch.autograd.Function):
     """log_softmax(logits / T)[target] for (N, V) logits, a chunk of rows at a time, and (when asked)
     each row's entropy. Forward keeps only the logits; backward rebuilds each chunk's softmax and
     writes (onehot - p) * g / T into the (N, V) result in the logits' dtype, in place where it can.
-    With `fused` (fused_kernels: Triton's on CUDA, else compiled _fused_forward / _fused_backward) each
-    chunk is one or two kernels that read the logits where they lie: forward keeps each row's
-    log-sum-exp, backward is one pass."""
+    With `fused` (minirl.kernels' Triton kernels) each chunk is one kernel each way that reads the
+    logits where they lie: forward keeps each row's log-sum-exp, backward is one pass."""
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, chunk, entropy, fused):
@@ -96,45 +94,14 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-def _fused_forward(x: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
-    """(c, V) logits, (c,) targets -> log p(target), log-sum-exp and (with entropy) entropy per row,
-    of softmax(x / T), in fp32: written for torch.compile (eager, it copies x several times)."""
-    z = x.to(torch.promote_types(x.dtype, torch.float32)) / temperature
-    lse = torch.logsumexp(z, -1)
-    lp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
-    if not entropy:
-        return lp, lse
-    p = torch.exp(z - lse[:, None])                            # H = lse - sum p z; 0 * -inf counts 0
-    return lp, lse, lse - torch.where(p > 0, p * z, 0.0).sum(-1)
-
-
-def _fused_backward(x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
-                    temperature: float, out: torch.Tensor) -> None:
-    """out = d/dx of sum g * log p(target) for (c, V) logits x, (c, 1) targets / log-sum-exp / g:
-    (onehot - softmax(x / T)) * g / T in x's dtype, one elementwise pass under torch.compile."""
-    z = x.to(lse.dtype) / temperature
-    onehot = torch.arange(x.shape[-1], device=x.device) == targets
-    out.copy_((onehot.to(lse.dtype) - torch.exp(z - lse)) * (g / temperature))
-
-
-@functools.cache
-def fused_kernels(backend: str):
-    """The fused path's (forward, backward): minirl.kernels' Triton kernels for logits they take (CUDA:
-    one read forward, one read and one write backward), else _fused_forward / _fused_backward under
-    torch.compile(backend) (dynamic rows: one compile for every chunk length)."""
-    compiled = (torch.compile(_fused_forward, backend=backend, dynamic=True),
-                torch.compile(_fused_backward, backend=backend, dynamic=True))
+def _kernels(x: torch.Tensor):
+    """minirl.kernels' (forward, backward) where they take logits x (CUDA: bf16, fp16 or fp32,
+    contiguous), else None: the plain chunked path."""
     try:
         from minirl import kernels
     except ImportError:                     # no triton
-        return compiled
-
-    def forward(x, *a):
-        return (kernels.forward if kernels.usable(x) else compiled[0])(x, *a)
-
-    def backward(x, *a):
-        return (kernels.backward if kernels.usable(x) else compiled[1])(x, *a)
-    return forward, backward
+        return None
+    return (kernels.forward, kernels.backward) if kernels.usable(x) else None
 
 
 _FUSED_ROWS = 4096
@@ -152,14 +119,14 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     """log p(targets[i]) under softmax(logits[i] / temperature): (N, V), (N,) -> (N,), no shift.
     fp32 (fp64 for fp64 logits), differentiable, chunked: never an fp32 copy of the logits. With
     entropy=True returns (log-probs, entropies): each row's entropy (nats, no gradient) from the
-    same pass. compile: the fused path (minirl.kernels on CUDA; elsewhere this torch.compile backend);
-    None: plain torch, the reference."""
+    same pass. compile (the trainer passes its torch.compile backend): set, the fused path where its
+    kernels take the logits (minirl.kernels: CUDA); None, or logits they do not take: plain torch."""
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)}: pass "
                          "(N, V) logits and the (N,) token ids they score")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (1.0 for plain log_softmax), got {temperature}")
-    fused = fused_kernels(compile) if compile else None
+    fused = _kernels(logits) if compile else None
     chunk = _chunk_tokens(*logits.shape, chunk_size)
     if fused and chunk_size is None:
         chunk = max(chunk, _FUSED_ROWS)

@@ -6,10 +6,10 @@
 Forward reads the logits once: each program walks one row in blocks, keeping the running maximum m
 and, per lane, s = sum exp(z - m) and t = sum exp(z - m) z (both rescaled when m grows), so that with
 the lanes' sums S and T, log-sum-exp = m + log S and entropy = lse - T / S. Backward reads them once
-and writes the gradient once. The same math as core._fused_forward / _fused_backward (which
-torch.compile runs elsewhere, in three passes forward). Checked against core's reference:
-tests/test_kernels.py under Triton's interpreter on CPU, tests/gpu on CUDA. Hardware: CUDA GPUs
-(bf16, fp16 or fp32 logits).
+and writes the gradient once (torch.compile's kernels for the same math made three passes forward and
+ran 3x slower: benchmarks/results/2026-12-07-e). Checked against core's plain path:
+tests/test_kernels.py under Triton's interpreter on CPU, tests/gpu on CUDA. Hardware: CUDA GPUs (bf16,
+fp16 or fp32 logits).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def usable(x: torch.Tensor) -> bool:
 
 def forward(x: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
     """(c, V) logits, (c,) targets -> log p(target), log-sum-exp and (with entropy) entropy per row of
-    softmax(x / T), fp32 (core._fused_forward's contract)."""
+    softmax(x / T), fp32."""
     n, v = x.shape
     lp, lse = (torch.empty(n, dtype=torch.float32, device=x.device) for _ in range(2))
     ent = torch.empty(n if entropy else 1, dtype=torch.float32, device=x.device)
@@ -82,7 +82,7 @@ def forward(x: torch.Tensor, targets: torch.Tensor, temperature: float, entropy:
 def backward(x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, temperature: float,
              out: torch.Tensor) -> None:
     """out = (onehot(targets) - softmax(x / T)) * g / T in out's dtype, for (c, V) logits and (c, 1)
-    targets / log-sum-exp / g (core._fused_backward's contract)."""
+    targets / log-sum-exp / g."""
     n, v = x.shape
     if n:
         flat = (t.reshape(-1).contiguous() for t in (targets, lse, g))     # g may be a broadcast (stride 0)

@@ -78,7 +78,7 @@ class TrainerConfig:
     """Keep the reference policy's shards on the host (CPUOffloadPolicy) between its forwards."""
     compile: bool | str | Callable | None = None
     """torch.compile each decoder layer (dynamic shapes), and take the fused log-probs over the logits
-    (core.token_logprobs(compile=): minirl.kernels' Triton kernels on CUDA, compiled math elsewhere).
+    (core.token_logprobs(compile=): minirl.kernels' Triton kernels on CUDA, plain torch elsewhere).
     None: on CUDA (inductor), off on CPU; True: inductor; a str: that backend; False: eager."""
 
 

@@ -515,37 +515,6 @@ def test_token_logprobs_entropy_from_the_same_pass():
         assert torch.equal(grad, torch.autograd.grad(plain.sum(), x)[0])
 
 
-def test_token_logprobs_fused_path_equals_the_reference():
-    """compile=<backend> (the trainer's path on CUDA; "eager" here: traced by dynamo, run by torch)
-    gives the reference's log-probs, entropies and gradients: temperatures, chunkings, fp32 / bf16 /
-    fp64 logits, a masked (-inf) logit, and a gradient weighted per row."""
-    g = torch.Generator().manual_seed(9)
-    for dt in (torch.float32, torch.bfloat16, torch.float64):
-        x = (3 * torch.randn(37, 50, generator=g)).to(dt)
-        x[3, 7] = float("-inf")
-        x.requires_grad_()
-        tg = torch.randint(0, 50, (37,), generator=g)
-        w = torch.arange(37.0, dtype=torch.promote_types(dt, torch.float32))
-        for temp, chunk in [(1.0, None), (0.7, 5), (1.3, 100)]:
-            ref, ref_ent = token_logprobs(x, tg, temperature=temp, chunk_size=chunk, entropy=True)
-            got, got_ent = token_logprobs(x, tg, temperature=temp, chunk_size=chunk, entropy=True, compile="eager")
-            plain = token_logprobs(x, tg, temperature=temp, chunk_size=chunk, compile="eager")
-            assert got.dtype == ref.dtype and got_ent.dtype == ref_ent.dtype and not got_ent.requires_grad
-            torch.testing.assert_close(got, ref)
-            torch.testing.assert_close(plain, ref)
-            torch.testing.assert_close(got_ent, ref_ent)
-            assert torch.isfinite(got_ent).all()
-            (g_ref,) = torch.autograd.grad((ref * w).sum(), x)
-            (g_got,) = torch.autograd.grad((got * w).sum(), x)
-            assert g_got.dtype == dt
-            torch.testing.assert_close(g_got, g_ref)
-    # hand-worked: logits [0, log 3] -> p = [1/4, 3/4]; d log p(1) / dx = onehot - p = [-1/4, 1/4]
-    x = t([[0.0, L(3)]]).requires_grad_()
-    lp = token_logprobs(x, torch.tensor([1]), compile="eager")
-    close(lp, [L(0.75)], atol=1e-6)
-    close(torch.autograd.grad(lp.sum(), x)[0], [[-0.25, 0.25]], atol=1e-6)
-
-
 # ==============================================================================================
 # KL estimators
 

@@ -1,5 +1,5 @@
-"""minirl.kernels (the Triton log-prob kernels the trainer runs on CUDA) against core's reference math,
-run by Triton's interpreter on CPU: a subprocess, since TRITON_INTERPRET is read when the kernels are
+"""minirl.kernels (the Triton log-prob kernels the trainer runs on CUDA) against core's plain path, run
+by Triton's interpreter on CPU: subprocesses, since TRITON_INTERPRET is read when the kernels are
 defined. On CUDA the same kernels meet the trainer in tests/gpu/test_trainer_gpu.py."""
 
 import json
@@ -54,3 +54,49 @@ def test_kernels_match_the_reference_log_probs_entropies_and_gradients():
     assert worst["lp"] < 1e-4 and worst["lse"] < 1e-4 and worst["ent"] < 1e-4, worst
     assert worst["lp_alone"] == 0.0, worst            # entropy or not, the same log-probs
     assert worst["grad"] < 2 ** -7, worst              # relative: bf16's step (the interpreter truncates)
+
+
+FUSED = r"""
+import math
+import torch
+from minirl import kernels
+from minirl.core import token_logprobs
+kernels.usable = lambda x: x.dtype != torch.float64 and x.is_contiguous()   # CPU tensors, interpreted
+g = torch.Generator().manual_seed(9)
+for dt in (torch.float32, torch.bfloat16, torch.float64):             # fp64: the plain path
+    x = (3 * torch.randn(37, 50, generator=g)).to(dt)
+    x[3, 7] = float("-inf")
+    x.requires_grad_()
+    tg = torch.randint(0, 50, (37,), generator=g)
+    w = torch.arange(37.0, dtype=torch.promote_types(dt, torch.float32))
+    for temp, chunk in [(1.0, None), (0.7, 5), (1.3, 100)]:
+        ref, ref_ent = token_logprobs(x, tg, temperature=temp, chunk_size=chunk, entropy=True)
+        got, got_ent = token_logprobs(x, tg, temperature=temp, chunk_size=chunk, entropy=True, compile="inductor")
+        plain = token_logprobs(x, tg, temperature=temp, chunk_size=chunk, compile="inductor")
+        assert got.dtype == ref.dtype and got_ent.dtype == ref_ent.dtype and not got_ent.requires_grad
+        torch.testing.assert_close(got, ref)
+        torch.testing.assert_close(plain, ref)
+        torch.testing.assert_close(got_ent, ref_ent)
+        assert torch.isfinite(got_ent).all()
+        (g_ref,) = torch.autograd.grad((ref * w).sum(), x)
+        (g_got,) = torch.autograd.grad((got * w).sum(), x)
+        assert g_got.dtype == dt
+        torch.testing.assert_close(g_got, g_ref)
+# hand-worked: logits [0, log 3] -> p = [1/4, 3/4]; d log p(1) / dx = onehot - p = [-1/4, 1/4]
+x = torch.tensor([[0.0, math.log(3)]]).requires_grad_()
+lp = token_logprobs(x, torch.tensor([1]), compile="inductor")
+torch.testing.assert_close(lp, torch.tensor([math.log(0.75)]), atol=1e-6, rtol=0)
+torch.testing.assert_close(torch.autograd.grad(lp.sum(), x)[0], torch.tensor([[-0.25, 0.25]]), atol=1e-6, rtol=0)
+print("ok")
+"""
+
+
+def test_token_logprobs_fused_path_equals_the_reference():
+    """token_logprobs(compile=...) through the kernels (the trainer's path on CUDA) gives the plain
+    path's log-probs, entropies and gradients: temperatures, chunkings (the kernels on each chunk's
+    slice), fp32 / bf16 logits (fp64: the plain path), a masked (-inf) logit, a gradient weighted
+    per row, and a hand-worked two-token case."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", FUSED], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
