@@ -20,7 +20,8 @@ it); a prompt leased to a generator holding version g gets the deadline g + S. T
   (a) admission (admission_room): a prompt is leased only if, for every t >= its deadline, the open prompts
       (leased or buffered) with deadlines <= t fit in the steps left until t:
       #{open: deadline <= t} <= (t - version) * B + (B - taken at this version, >= 0); and at most
-      max_batches are open (one step per version: the trainer publishes after each take).
+      max_batches are open (one step per version: the trainer publishes after each take; a take at a
+      version whose share it took already, after a step that changed no weight, opens a new share).
   (b) take_batches(n) at version t delivers the n open prompts of the earliest deadlines (among equal
       deadlines finished ones first) and waits while any of those is unfinished rather than train newer ones
       ("waited_for_old"), bounded by the caller's timeout.
@@ -288,6 +289,8 @@ class RolloutHub:
         self._recycled_stale += self._requeue_front(stale)
         at_end = partial_at_end and self._closed and not self._pending and not self._leases
         if self._admits() and not at_end:
+            if self._taken_now() >= n:      # a second step at this version: nobody leases for it until now
+                self._taken = (self._version, 0)
             self.batch_size = n
             first = sorted((*self._leases, *self._buffer),
                            key=lambda u: (self._due(u), u not in self._buffer, self._order.get(u, -1)))[:n]

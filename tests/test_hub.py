@@ -479,24 +479,27 @@ def test_rebuilt_hub_drops_a_trained_batch_put_before_the_trainer_rejoins():
 
 
 def timed_run(*, admission: bool, S: int, B: int = 4, n_prompts: int = 96, gens: int = 2, slots: int = 6,
-              train_s: float = 1.0, load_delay_s: float = 0.3, gen_s=lambda rng: 0.5, seed: int = 0) -> dict:
+              train_s: float = 1.0, load_delay_s: float = 0.3, gen_s=lambda rng: 0.5, seed: int = 0,
+              steps_weights=lambda step: True) -> dict:
     """Generators keep `slots` prompts in flight (leasing with their weights' version; a prompt's
     tokens start at the version it starts with, new weights reach a generator load_delay_s after the
     trainer published them, in flight); the trainer takes B batches, trains train_s, publishes.
-    Returns every trained batch's lag (trainer version - oldest token version) and the hub's stats."""
+    Returns every trained batch's lag (trainer version - oldest token version) and the hub's stats.
+    steps_weights(k): whether step k changed the weights (else it publishes the same version)."""
     rng = random.Random(seed)
     hub = RolloutHub(max_batches=64, admission=admission)
     hub.set_max_staleness(S, B)
     hub.add_prompts(prompts(range(n_prompts)))
     hub.close_prompts()
     version, busy_until, t, dt = 0, 0.0, 0.0, 0.05
-    taken, lags, loads = None, [], []                # loads: (time, version) on the way to the generators
+    taken, lags, loads, steps = None, [], [], 0      # loads: (time, version) on the way to the generators
     g = {f"g{i}": {"v": 0, "run": []} for i in range(gens)}   # run: [(finish time, uid, start version)]
     while not hub.finished():
         t += dt
         assert t < 10_000, f"no progress: {hub.stats()}"
         if taken is not None and t >= busy_until:    # a step ends: publish its weights
-            version += 1
+            steps += 1
+            version += bool(steps_weights(steps))
             hub.set_version(version)
             loads.append((t + load_delay_s, version))
             taken = None
@@ -536,6 +539,15 @@ def test_staleness_by_admission_keeps_the_bound_and_recycles_nothing(S, case):
     if case == "slow_generator":
         assert old["recycled_stale"] > 0, old
         assert new["waited_for_old"] > 0 or S == 0                            # it waited instead
+
+
+@pytest.mark.parametrize("S", [0, 1])
+def test_steps_that_change_no_weight_keep_the_run_going(S):
+    """Every third step changes no weight (each group filtered out: no optimizer step), so the trainer
+    publishes the same version and takes again at it: that take opens a new share of admission (at
+    S=0 the old rule leased nothing more: the run stood until the pull timed out), the bound holds."""
+    run = timed_run(admission=True, S=S, train_s=0.3, gen_s=lambda rng: 0.2, steps_weights=lambda k: k % 3)
+    assert run["delivered"] == 96 and max(run["lags"]) <= S and run["recycled_stale"] == 0, run
 
 
 def test_admission_counts_by_deadline():
