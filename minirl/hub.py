@@ -60,6 +60,12 @@ def prompt_items(prompts: list, metadata: list | None = None, uids: list | None 
                        metadata=None if metadata is None else metadata[i]) for i, p in enumerate(prompts)]
 
 
+def _span(r) -> tuple[int, int]:
+    """(oldest, newest) policy version of a rollout's tokens."""
+    lo, hi = r.info.get("versions") or (r.policy_version, r.policy_version)
+    return int(lo), int(hi)
+
+
 def admission_room(dues: list[int], deadline: int, version: int, batch_size: int, taken: int,
                    max_batches: int) -> int:
     """Rule (a): how many more prompts of this deadline may be leased, given the deadlines of the
@@ -122,6 +128,11 @@ class RolloutHub:
 
     def _orphan(self, version: int | None) -> bool:     # weights of a trainer that died after its last checkpoint
         return version is not None and any(lo < version <= hi for lo, hi in self._orphaned)
+
+    def _orphan_tokens(self, batch: RolloutBatch) -> bool:
+        """Some token sampled with orphaned weights (a rollout's versions: the span its turns ran over,
+        weights loading between engine steps; else its policy_version)."""
+        return any(lo < new and old <= hi for r in batch for old, new in [_span(r)] for lo, hi in self._orphaned)
 
     def add_prompts(self, items: list[PromptItem], *, skip_known: bool = False) -> int:
         """Append prompts to the pending pool, all or none; returns how many. skip_known skips
@@ -258,8 +269,8 @@ class RolloutHub:
                 raise ValueError("RolloutBatch.uid is None: set it to the uid of the PromptItem it answers")
             if len(b) == 0:
                 raise ValueError(f"RolloutBatch for uid {b.uid!r} has no rollouts")
-        self._saw(max((r.policy_version for b in batches for r in b), default=None))
-        before, orphans = len(self._buffer), [b.uid for b in batches if self._orphan(b.policy_version)]
+        self._saw(max((_span(r)[1] for b in batches for r in b), default=None))
+        before, orphans = len(self._buffer), [b.uid for b in batches if self._orphan_tokens(b)]
         self._requeue_front([u for u in orphans if self._leases.get(u) == worker_id])
         for b in batches:
             if b.uid in self._items and b.uid not in self._buffer and b.uid not in orphans:
@@ -353,8 +364,7 @@ class RolloutHub:
         if top > version:
             self._orphaned.append((version, top))
             self._weights = None
-            self._rolled_back += self._requeue_front([u for u, b in self._buffer.items()
-                                                      if self._orphan(b.policy_version)])
+            self._rolled_back += self._requeue_front([u for u, b in self._buffer.items() if self._orphan_tokens(b)])
             version = top + 1
         self._rolled_back += self.release_worker("rollback")    # delivered earliest: at the very front
         self._version = self._top_version = max(version, self._top_version)

@@ -278,6 +278,22 @@ def test_rollback_redelivers_what_the_restored_trainer_did_not_train():
     assert hub.finished() and hub.stats()["delivered"] == 8
 
 
+def test_a_batch_with_tokens_of_orphaned_weights_is_refused():
+    """A group that started on the checkpoint's version 1 and finished on the lost trainer's 2 (weights
+    load between engine steps: info["versions"] spans 1..2) holds tokens no restored trainer made:
+    refused and requeued, as one made at 2; one wholly at 1 is kept."""
+    hub = RolloutHub(max_batches=4)
+    hub.add_prompts(prompts(range(2)))
+    hub.take_prompts("a", 2, version=1)
+    hub.set_version(2)
+    assert hub.rollback([], 1) == 4                             # (1, 3] orphaned: 3 may have been pushed
+    spans = batch(0, 1)
+    for r in spans:
+        r.info["versions"] = (1, 2)
+    assert hub.put_batches("a", [spans, batch(1, 1)]) == 1
+    assert hub.stats()["pending"] == 1 and hub.stats()["buffered"] == 1
+
+
 def test_a_rebuilt_queue_learns_the_lost_trainers_versions_from_the_generators():
     """The queue and the trainer die together: the rebuilt hub knows no version, but a generator on
     the lost trainer's version 67 leases (or delivers) before the trainer restored at 65 rolls back:
