@@ -85,6 +85,9 @@ def test_extract_answer_without_number_fallback(text, expected):
     ("((1, 2), 3)", "((1.0, 2), 3)"),                          # one level of nesting
     ("\\begin{pmatrix} \\frac12 & 2 \\\\ 3 & 4 \\end{pmatrix}", "\\begin{bmatrix}0.5&2\\\\3&4\\end{bmatrix}"),
     ("x \\le 3", "x \\leq 3"), ("x > 2", "2 < x"), ("\\pm 2", "2, -2"),  # math-verify
+    ("6\\frac{1}{4}", "\\frac{25}{4}"), ("6\\frac14", "6.25"), ("-2\\frac{1}{2}", "-2.5"),  # mixed numbers
+    ("3\\frac{\\pi}{2}", "\\frac{3\\pi}{2}"),                     # not one: a product
+    ("12 \\text{ m}", "12"), ("12\\text{ g}", "12"), ("25 \\text{ m}^2", "25"),   # one-letter units as text
 ])
 def test_math_equal(a, b):
     assert math_equal(a, b) and math_equal(b, a)
@@ -107,6 +110,9 @@ def test_math_equal(a, b):
     ("x <= 3", "3"), ("x \\le 3", "3"), ("x \\le 3", "x < 3"),   # a relation is not its bound
     ("x = 5, y = 3", "x = 2, y = 3"), ("2x - y + 3z + 8 = 0", "x + y + z = 0"),  # equations are not
     ("2x - y + 3z + 8 = 0", "0"), ("x^2 + y^2 = 25", "25"),                        # their right sides
+    ("6\\frac{1}{4}", "\\frac{3}{2}"),                              # 6 + 1/4, not 6 x 1/4
+    ("\\text{not prime}", "\\text{not composite}"), ("\\text{Saturday}", "\\text{Saturday and Sunday}"),
+    ("3 pi", "3"), ("12 m", "12"),                                  # words, pi and bare letters are no units
 ])
 def test_math_not_equal(a, b):
     assert not math_equal(a, b)
@@ -198,6 +204,8 @@ F = "def f(x):\n    return x + 1\n"
     (f"```py\nold = 1\n```\nbetter:\n```python\n{F}```", F),     # the last python block
     (f"```python\n{F}```\nrun it with\n```bash\npython f.py\n```", F),  # bash skipped
     (f"```\n{F}```", F),                                         # untagged fence
+    (f"```python\n{F}```\nFor example:\n```\nf(1)  # 2\n```", F),   # tagged code before an untagged example
+    (f"```Python\n{F}```", F),                                   # any case
     (F, F),                                                      # no fence: the whole text
     ("```bash\nls\n```", None),                                  # fences, none Python
     ("   \n", None),

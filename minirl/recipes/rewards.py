@@ -32,7 +32,10 @@ _PLAIN = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:/[0-9]+)?")     # a norma
 _NAME = re.compile(r"[^a-zA-Z]*|[a-zA-Z\s]+(?:_\{?\w+\}?|'+)?(?:\([^()]*\))?")   # _rhs: x, AB, x_1, f(x), 3 + 4
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BRACE = re.compile(r"[{}]")
-_UNITS = re.compile(r"(?<=\S)(?:\s+[a-zA-Z]{2,}\.?(?:\^\{?\d\}?)?)+\s*$")  # " cm^2", " dollars"
+# Words after a number or a bracket: " cm^2", " square units" (not pi: 3 pi is no 3; "not prime" keeps its words).
+_UNITS = re.compile(r"(?<=[\d)}\]])(?:\s+(?!pi\b)[a-zA-Z]{2,}\.?(?:\^\{?\d\}?)?)+\s*$")
+_TEXT_UNIT = re.compile(r"(?<=[\d)}\]])\s*\\(?:text|mbox|mathrm)\{\s*[a-zA-Z]+\.?\s*\}(?:\^\{?\d\}?)?\s*\.?$")
+_MIXED = re.compile(r"(?<![\w.)}^])(\d+)\s*\\frac\s*(?:\{\s*(\d+)\s*\}\s*\{\s*(\d+)\s*\}|(\d)(\d))")
 # What may reach sympy's parser (it evals): digits, operators, sqrt, pi, one-letter symbols; no 1e9.
 _SAFE = re.compile(r"(?!.*\d[eE][-+\d])(?:\d|\.(?=\d)|[-+*/()\s]|sqrt|pi|[a-z](?![a-z]))*", re.S)
 
@@ -92,6 +95,7 @@ def extract_answer(text: str, *, fallback_last_number: bool = True) -> str | Non
 def _normalize(s: str) -> str:
     """Drop `\\text{}` wrappers, `$`, `%`, degrees, spacing, `x =` (_rhs), units, thousands commas, a final `.`."""
     s = re.sub(r"(?<=\d)(?:,\\!|\{,\})(?=\d)", ",", s)       # LaTeX's digit-group commas `10,\!000`, `10{,}000`
+    s = _TEXT_UNIT.sub("", s)                                 # a unit set as text, one letter too: `12\text{ m}`
     s = re.sub(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}", r" \1", s)
     s = re.sub(r"(\\\\)|\\left|\\right|\\displaystyle|\\[,;:! $%]|[$%°]|\^\s*\{?\\circ\}?",
                lambda m: m[1] or " ", s)                  # a matrix's row break \\ stays
@@ -123,6 +127,7 @@ def _to_sympy(s: str):
     import sympy
     from sympy.parsing import sympy_parser as sp
     s = re.sub(r"\\cdot|\\times", "*", re.sub(r"\\[dt]frac", r"\\frac", s)).replace("\\pi", " pi ")
+    s = _MIXED.sub(lambda m: f"({m[1]}+\\frac{{{m[2] or m[4]}}}{{{m[3] or m[5]}}})", s)   # 6\frac{1}{4}: 25/4
     for cmd, fmt in (("\\frac", "(({})/({}))"), ("\\sqrt", "sqrt({})")):
         while (i := s.find(cmd)) >= 0:
             args, j = [], i + len(cmd)
@@ -447,10 +452,11 @@ def run_code(code: str, tests: str | list[str], *, timeout_s: float = 5.0, memor
 
 
 def extract_code(completion: str) -> str | None:
-    """The last fenced block tagged python, py, python3 or none (no fence: the whole text); None if blank."""
+    """The last fenced block tagged python, py or python3 (any case), else the last untagged one (no fence:
+    the whole text); None if blank. An example or output in an untagged block after tagged code is not it."""
     blocks = re.findall(r"```[ \t]*(\w*)[^\n]*\n(.*?)```", completion, re.DOTALL)
-    code = next((b for lang, b in reversed(blocks) if lang in ("python", "py", "python3", "")),
-                None if blocks else completion)
+    code = next((b for lang, b in reversed(blocks) if lang.lower() in ("python", "py", "python3")), None)
+    code = code or next((b for lang, b in reversed(blocks) if not lang), None if blocks else completion)
     return code if code and code.strip() else None
 
 
