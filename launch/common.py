@@ -273,6 +273,9 @@ def check_args(args) -> str | None:
               "--reference (or drop them)"),
              (args.env and (args.task != "succ" or args.data),
               f"--env {args.env} makes its own prompts and rewards: drop --task / --data (or --env)"),
+             (args.env and (args.overlong_filter or args.overlong_cache),
+              f"--overlong-filter / --overlong-cache judge one turn cut at --max-tokens; --env {args.env}'s turns "
+              "are sampled at their own lengths (its one-token turns end \"length\"): drop them (or --env)"),
              (args.env and args.eval_every > 0,
               f"--eval-every evaluates one turn of --task's held-out rows, not --env {args.env}'s episodes: "
               "drop --eval-every (or --env)"),

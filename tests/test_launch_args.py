@@ -58,6 +58,8 @@ def _error(argv, capsys) -> str:
     (["--env", "lookup", "--task", "add"], "--env lookup makes its own prompts and rewards: drop --task / --data"),
     (["--env", "lookup", "--eval-size", "8", "--eval-every", "5"],
      "--eval-every evaluates one turn of --task's held-out rows, not --env lookup's episodes"),
+    (["--env", "feedback", "--overlong-filter"], "--overlong-filter / --overlong-cache judge one turn cut at"),
+    (["--env", "lookup", "--overlong-cache", "1"], "--env lookup's turns are sampled at their own lengths"),
     (["--max-tokens", "8", "--overlong-cache", "9"], "--overlong-cache must be in [0, --max-tokens=8], got 9"),
     (["--max-tokens", "256"], "--max-tokens 256 must be < --max-model-len 256 (the prompt needs room)"),
     (["--task", "gsm9k"], "argument --task: invalid choice: 'gsm9k'"),
