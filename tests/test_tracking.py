@@ -218,6 +218,11 @@ def test_resume_drops_the_steps_logged_after_the_checkpoint(tmp_path):
     with _tracker(tmp_path, start_step=1) as t:                  # resumed from nothing: starts over
         t.log({"loss": 0.0}, step=1)
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1]
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:    # torn again, then appended to without start_step
+        f.write('{"step": 2, "lo')
+    with _tracker(tmp_path) as t:
+        t.log({"loss": 3.0}, step=3)
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 3]
 
 
 def test_plot_has_an_eval_panel(tmp_path, monkeypatch):

@@ -75,6 +75,8 @@ class Tracker(contextlib.AbstractContextManager):
             tmp = path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept), encoding="utf-8")
             os.replace(tmp, path)       # a kill right here leaves the old file or the new one whole
+        elif path.exists() and (data := path.read_bytes()) and not data.endswith(b"\n"):
+            path.write_bytes(data[:data.rfind(b"\n") + 1])   # a torn last record goes: the next would join it
         self._file = open(path, "a", encoding="utf-8")
         if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
