@@ -126,13 +126,15 @@ class RolloutHub:
         if version is not None:
             self._top_version = max(self._top_version, int(version))
 
-    def _orphan(self, version: int | None) -> bool:     # weights of a trainer that died after its last checkpoint
-        return version is not None and any(lo < version <= hi for lo, hi in self._orphaned)
+    def _orphan(self, version: int | None, newest: int | None = None) -> bool:
+        """Weights of a trainer that died after its last checkpoint among versions version..newest."""
+        newest = version if newest is None else newest
+        return version is not None and any(lo < newest and version <= hi for lo, hi in self._orphaned)
 
     def _orphan_tokens(self, batch: RolloutBatch) -> bool:
         """Some token sampled with orphaned weights (a rollout's versions: the span its turns ran over,
         weights loading between engine steps; else its policy_version)."""
-        return any(lo < new and old <= hi for r in batch for old, new in [_span(r)] for lo, hi in self._orphaned)
+        return any(self._orphan(*_span(r)) for r in batch)
 
     def add_prompts(self, items: list[PromptItem], *, skip_known: bool = False) -> int:
         """Append prompts to the pending pool, all or none; returns how many. skip_known skips

