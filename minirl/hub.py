@@ -77,6 +77,34 @@ def admission_room(dues: list[int], deadline: int, version: int, batch_size: int
     return max(0, room)
 
 
+def _orphan(orphaned: list, version: int | None, newest: int | None = None) -> bool:
+    """Weights of a trainer that died after its last checkpoint (its versions (lo, hi] in `orphaned`)
+    among versions version..newest."""
+    newest = version if newest is None else newest
+    return version is not None and any(lo < newest and version <= hi for lo, hi in orphaned)
+
+
+def _orphan_tokens(orphaned: list, batch: RolloutBatch) -> bool:
+    """Some token sampled with orphaned weights (a rollout's versions: the span its turns ran over,
+    weights loading between engine steps; else its policy_version)."""
+    return any(_orphan(orphaned, *_span(r)) for r in batch)
+
+
+def _checked(batches) -> list[RolloutBatch]:
+    """put_batches' argument as a list, refused unless each is a RolloutBatch with a uid and rollouts."""
+    batches = list(batches)
+    for b in batches:
+        if not isinstance(b, RolloutBatch):
+            raise TypeError(f"put_batches takes minirl.data.RolloutBatch objects, got "
+                            f"{type(b).__module__}.{type(b).__name__}: wrap the G rollouts of "
+                            "one prompt as RolloutBatch(rollouts, uid=prompt_item.uid)")
+        if b.uid is None:
+            raise ValueError("RolloutBatch.uid is None: set it to the uid of the PromptItem it answers")
+        if len(b) == 0:
+            raise ValueError(f"RolloutBatch for uid {b.uid!r} has no rollouts")
+    return batches
+
+
 class QueueRestarted(RuntimeError):
     """The queue's actor restarted with an empty hub: the trainer must rejoin_trainer first."""
 
@@ -125,16 +153,6 @@ class RolloutHub:
         versions a lost trainer published; rollback publishes above them, never reusing one)."""
         if version is not None:
             self._top_version = max(self._top_version, int(version))
-
-    def _orphan(self, version: int | None, newest: int | None = None) -> bool:
-        """Weights of a trainer that died after its last checkpoint among versions version..newest."""
-        newest = version if newest is None else newest
-        return version is not None and any(lo < newest and version <= hi for lo, hi in self._orphaned)
-
-    def _orphan_tokens(self, batch: RolloutBatch) -> bool:
-        """Some token sampled with orphaned weights (a rollout's versions: the span its turns ran over,
-        weights loading between engine steps; else its policy_version)."""
-        return any(self._orphan(*_span(r)) for r in batch)
 
     def add_prompts(self, items: list[PromptItem], *, skip_known: bool = False) -> int:
         """Append prompts to the pending pool, all or none; returns how many. skip_known skips
@@ -222,7 +240,7 @@ class RolloutHub:
         pending; None, leasing nothing, when its weights' `version` lags more than max_staleness."""
         self._saw(version)
         lags = version is not None and self.max_staleness is not None and self._version - version > self.max_staleness
-        if self._pending and (self._orphan(version) or lags):
+        if self._pending and (_orphan(self._orphaned, version) or lags):
             self._starved.setdefault(worker_id, time.monotonic())
             return None
         self._starved.pop(worker_id, None)
@@ -261,18 +279,9 @@ class RolloutHub:
         """Buffer RolloutBatches (.uid = their PromptItem's; all checked first); returns how many were
         accepted: the first finisher of a uid wins, others are dropped duplicates. No space check:
         callers wait for space() >= 1 (the buffer may exceed max_batches by len(batches) - 1)."""
-        batches = list(batches)
-        for b in batches:
-            if not isinstance(b, RolloutBatch):
-                raise TypeError(f"put_batches takes minirl.data.RolloutBatch objects, got "
-                                f"{type(b).__module__}.{type(b).__name__}: wrap the G rollouts of "
-                                "one prompt as RolloutBatch(rollouts, uid=prompt_item.uid)")
-            if b.uid is None:
-                raise ValueError("RolloutBatch.uid is None: set it to the uid of the PromptItem it answers")
-            if len(b) == 0:
-                raise ValueError(f"RolloutBatch for uid {b.uid!r} has no rollouts")
+        batches = _checked(batches)
         self._saw(max((_span(r)[1] for b in batches for r in b), default=None))
-        before, orphans = len(self._buffer), [b.uid for b in batches if self._orphan_tokens(b)]
+        before, orphans = len(self._buffer), [b.uid for b in batches if _orphan_tokens(self._orphaned, b)]
         self._requeue_front([u for u in orphans if self._leases.get(u) == worker_id])
         for b in batches:
             if b.uid in self._items and b.uid not in self._buffer and b.uid not in orphans:
@@ -366,7 +375,8 @@ class RolloutHub:
         if top > version:
             self._orphaned.append((version, top))
             self._weights = None
-            self._rolled_back += self._requeue_front([u for u, b in self._buffer.items() if self._orphan_tokens(b)])
+            orphans = [u for u, b in self._buffer.items() if _orphan_tokens(self._orphaned, b)]
+            self._rolled_back += self._requeue_front(orphans)
             version = top + 1
         self._rolled_back += self.release_worker("rollback")    # delivered earliest: at the very front
         self._version = self._top_version = max(version, self._top_version)
