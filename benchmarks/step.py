@@ -12,7 +12,8 @@ bf16 compute with fp32 master weights, one optimizer step per batch, `--steps` s
 
 - minirl: launch/colocated.py as a user runs it, with only model, batch and length flags
   (--model --prompts --group-size --max-tokens --max-model-len --steps); its metrics.jsonl
-  gives the phases (sync, generation, training).
+  gives the phases (sync: the engine's wake, load, check and sleep, each out of the phase it ran in;
+  generation; training).
 - TRL: GRPOTrainer(use_vllm=True, vllm_mode="colocate") with its defaults except what matching
   needs (each change is listed in the JSON under trl.changes): fp32 master weights, the batch
   (per_device_train_batch_size x gradient_accumulation_steps = P x G completions per optimizer
@@ -152,10 +153,10 @@ def run_minirl(args, model: str) -> dict:
     steps = []
     for r, start in zip(rows, starts):
         parts = {f"sync_{k}": r.get(f"sync/{k}", 0.0) for k in ("wake_s", "sync_s", "verify_s", "sleep_s", "offload_s")}
-        sync = sum(parts.values())
+        sync, slept = sum(parts.values()), parts["sync_sleep_s"]   # the engine sleeps in the training phase
         n = args.prompts * args.group_size
-        steps.append({"step_s": r["time"] - start, "sync_s": sync, **parts, "generate_s": r["time/rollouts"] - sync,
-                      "train_s": r["time/train"], "generated_tokens": r["len/completion"] * n,
+        steps.append({"step_s": r["time"] - start, "sync_s": sync, **parts, "generate_s": r["time/rollouts"] - (sync - slept),
+                      "train_s": r["time/train"] - slept, "generated_tokens": r["len/completion"] * n,
                       "trained_tokens": (r["len/completion"] + r["len/prompt"]) * n, "loss": r["loss"],
                       "reward": r["reward/mean"], "adv_abs_mean": r["adv/abs_mean"], "grad_norm": r["grad_norm"],
                       "probe_gap": r.get("sync/probe_gap")})

@@ -104,8 +104,7 @@ class WeightManager:
             self.llm = vc.build_llm(self.trainer.path, **kw)
             self.llm._minirl_check = self._check_generate
             self.engine_dtype = vc.engine_dtype(self.llm)
-            self._sleep_timing: dict[str, float] = {}
-            self.timings: dict[str, float] = {}   # the last switch: sleep_s, wake_s, sync_s, verify_s, probe_gap
+            self.timings: dict[str, float] = {}   # the last switch each way: sleep_s; wake_s, sync_s, verify_s, probe_gap
             self.last_probe_gap: float | None = None
             self._mode, self._reload = "generate", False     # _reload: the engine must reload the trainer's weights
             self._closed = self._gc_frozen = self._slept = False
@@ -154,11 +153,13 @@ class WeightManager:
                 tr.optimizer_to_host()
                 t["offload_s"] = time.perf_counter() - t1
             if asleep:                        # the sync's buffers, cached by the trainer's allocator, too
+                t1 = time.perf_counter()
                 torch.cuda.empty_cache()
                 self.llm.wake_up(tags=["kv_cache"])   # after the load
+                t["wake_s"] += _since(t1, cuda)
             self.llm.reset_prefix_cache()
             self._mode = "generate"           # awake: as_trainable() puts it back even if the check fails
-            self.timings = {**self._sleep_timing, **t}
+            self.timings = {k: v for k, v in self.timings.items() if k == "sleep_s"} | t
             if checked is not None:           # a failed check leaves _reload set: the next call syncs again
                 self._verify(self.timings, *checked)
             self._reload = False
@@ -181,7 +182,7 @@ class WeightManager:
                     self.memory_plan = memory.beside_sleeping_engine(self.trainer, self.memory_plan)
                     self.trainer.apply(self.memory_plan)
                     self._slept = True
-            self._sleep_timing = {"sleep_s": _since(t0, self.device.type == "cuda")}
+            self.timings["sleep_s"] = _since(t0, self.device.type == "cuda")   # this step's, beside its sync's
             self._mode = "train"
         self.trainer.model.train()
         return self.trainer.model, self.trainer.optimizer

@@ -39,6 +39,7 @@ def test_seed_loop_verbatim_then_sync(wm):
     for b in batches: b.compute_advantages()
     all_rollouts = [r for b in batches for r in b]
     model, optimizer = wm.as_trainable()
+    slept = wm.timings["sleep_s"]                          # this switch's, in the training phase's log
     for epoch in range(2):
         for rollout in all_rollouts:
             out = model(rollout.token_ids, output_hidden_states=True)
@@ -48,7 +49,8 @@ def test_seed_loop_verbatim_then_sync(wm):
     assert torch.isfinite(loss)
     llm = wm.as_vllm()                                     # syncs: the optimizer stepped
     assert wm.policy_version == v0 + 1
-    assert wm.last_probe_gap < 2e-3 and {"sync_s", "verify_s", "probe_gap"} <= set(wm.timings)
+    assert wm.last_probe_gap < 2e-3 and {"wake_s", "sync_s", "verify_s", "probe_gap"} <= set(wm.timings)
+    assert wm.timings["sleep_s"] == slept                  # the round trip: that sleep, then this wake and sync
     batches = _rollouts(wm, seed=1)
     assert all(r.policy_version == v0 + 1 for b in batches for r in b)
     assert llm is wm.as_vllm()                             # no step -> no sync, same engine
