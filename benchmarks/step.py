@@ -155,8 +155,9 @@ def run_minirl(args, model: str) -> dict:
         parts = {f"sync_{k}": r.get(f"sync/{k}", 0.0) for k in ("wake_s", "sync_s", "verify_s", "sleep_s", "offload_s")}
         sync, slept = sum(parts.values()), parts["sync_sleep_s"]   # the engine sleeps in the training phase
         n = args.prompts * args.group_size
-        steps.append({"step_s": r["time"] - start, "sync_s": sync, **parts, "generate_s": r["time/rollouts"] - (sync - slept),
-                      "train_s": r["time/train"] - slept, "generated_tokens": r["len/completion"] * n,
+        steps.append({"step_s": r["time"] - start, "sync_s": sync, **parts,
+                      "generate_s": r["time/rollouts"] - (sync - slept), "train_s": r["time/train"] - slept,
+                      "generated_tokens": r["len/completion"] * n,
                       "trained_tokens": (r["len/completion"] + r["len/prompt"]) * n, "loss": r["loss"],
                       "reward": r["reward/mean"], "adv_abs_mean": r["adv/abs_mean"], "grad_norm": r["grad_norm"],
                       "probe_gap": r.get("sync/probe_gap")})

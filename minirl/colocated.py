@@ -104,7 +104,7 @@ class WeightManager:
             self.llm = vc.build_llm(self.trainer.path, **kw)
             self.llm._minirl_check = self._check_generate
             self.engine_dtype = vc.engine_dtype(self.llm)
-            self.timings: dict[str, float] = {}   # the last switch each way: sleep_s; wake_s, sync_s, verify_s, probe_gap
+            self.timings: dict[str, float] = {}   # the last sleep_s; wake_s, sync_s, verify_s, probe_gap
             self.last_probe_gap: float | None = None
             self._mode, self._reload = "generate", False     # _reload: the engine must reload the trainer's weights
             self._closed = self._gc_frozen = self._slept = False
