@@ -191,11 +191,14 @@ class Episode:
         episode. A sync tool still running then is abandoned (runner.stats["abandoned_threads"]).
         info["tool_calls"], ["tool_s"] and ["tool_timeouts"] add up this episode's calls."""
         timeout = self.runner.config.tool_timeout_s if timeout_s is None else timeout_s
-        sync = not _is_async(fn)
+        sync, limit = not _is_async(fn), asyncio.timeout(timeout)
         t0 = time.perf_counter()
         try:
-            return await asyncio.wait_for(in_thread(fn, *args, **kwargs) if sync else fn(*args, **kwargs), timeout)
-        except asyncio.TimeoutError as e:
+            async with limit:
+                return await (in_thread(fn, *args, **kwargs) if sync else fn(*args, **kwargs))
+        except TimeoutError as e:
+            if not limit.expired():                      # the tool's own (a socket's, say): as it is
+                raise
             self.info["tool_timeouts"] = self.info.get("tool_timeouts", 0) + 1
             self.runner.stats["abandoned_threads"] += sync
             raise ToolTimeout(f"tool {getattr(fn, '__name__', fn)!r} ran past {timeout} s in {self.name}") from e
@@ -350,6 +353,10 @@ class EpisodeRunner:
         self._work.set()
         try:
             return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():           # finished, then cancelled before it was taken:
+                self.vc.abort_requests(self.llm, [rid])      # what the tap read for it goes
+            raise
         finally:
             if self._futures.pop(rid, None) is not None:     # cancelled (episode timeout): free the engine
                 if self._held.pop(rid, None) is None:
@@ -523,9 +530,13 @@ class EpisodeRunner:
         either bounded by config.reward_timeout_s (TimeoutError naming reward_fn)."""
         t = self.config.reward_timeout_s
         if _is_async(fn):
+            limit = asyncio.timeout(t)
             try:
-                return await asyncio.wait_for(fn(*args), t)
-            except asyncio.TimeoutError:
+                async with limit:
+                    return await fn(*args)
+            except TimeoutError:
+                if not limit.expired():                  # reward_fn's own: as it is
+                    raise
                 raise TimeoutError(f"reward_fn did not return within {t} s") from None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.config.reward_workers, thread_name_prefix="reward")

@@ -199,6 +199,28 @@ def test_a_finished_request_no_one_takes_leaves_nothing_in_the_tap(wm):
     assert not tap.internal and not tap.values
 
 
+def test_a_request_finishing_as_its_episode_times_out_leaves_nothing_in_the_tap(wm, monkeypatch):
+    """Engine steps of 1 s, an episode limit of 0.5 s that passes during the first: asyncio runs the
+    engine loop's next step (which finishes the 2-token request) before the limit's callback cancels
+    the episode, so the request finished and no one took it: the tap keeps none of its log-probs."""
+    llm, step = wm.as_vllm(), vc.engine_step
+    tap = vc.SampledTap.of(llm)
+
+    def slow_step(engine):
+        out = step(engine)
+        time.sleep(1.0)
+        return out
+    monkeypatch.setattr(vc, "engine_step", slow_step)
+
+    async def episode(ep):
+        await ep.generate(max_tokens=2, ignore_eos=True)
+        return 1.0
+    runner = EpisodeRunner(llm, config=EpisodeConfig(episode_timeout_s=0.5, on_error="record"))
+    (rollout,), = runner.run(episode, ["1+1="])
+    assert "episode_timeout_s" in rollout.info["error"] and runner.stats["steps"] == 2
+    assert not tap.internal and not tap.values
+
+
 def test_single_turn_is_the_one_turn_episode(wm):
     """What the loops ran before: group_size completions per prompt, scored by reward_fn with metadata."""
     calls = []
@@ -395,6 +417,31 @@ def test_tool_timeout_error_and_waits_overlap(wm):
     assert max(done[i] for i in range(2, 6)) < done["slow_to"] and most[0] == 4
     with pytest.raises(RuntimeError, match=r"episode 1 of prompt uid=1 \('2\+1='\) raised ValueError"):
         EpisodeRunner(wm.as_vllm()).run(episode, ["1+1=", "2+1="])
+
+
+def test_a_tools_or_rewards_own_timeout_error_is_not_taken_for_minirls(wm):
+    """TimeoutError is asyncio's: a tool or an async reward_fn raising its own (a socket's read timeout)
+    raises it as it is, neither a ToolTimeout nor "did not return within" a limit no one set."""
+    def fetch():
+        raise TimeoutError("the socket read timed out")
+
+    async def score(prompt, completion):
+        raise TimeoutError("the grader timed out")
+
+    async def episode(ep):
+        await ep.generate(max_tokens=2)
+        try:
+            await ep.call(fetch)
+        except episodes.ToolTimeout:
+            return -1.0
+        except TimeoutError as e:
+            ep.info["tool_error"] = str(e)
+        return await ep.runner.reward(score, ep.prompt, ep.text)
+    runner = EpisodeRunner(wm.as_vllm(), config=EpisodeConfig(on_error="record"))
+    (rollout,), = runner.run(episode, ["1+1="])
+    assert rollout.info["tool_error"] == "the socket read timed out" and "tool_timeouts" not in rollout.info
+    assert rollout.info["error"] == "raised TimeoutError: the grader timed out" and rollout.info["tool_calls"] == 1
+    assert runner.stats["abandoned_threads"] == 0
 
 
 def test_an_episode_raising_cancelled_error_is_an_episode_error(wm):
