@@ -87,9 +87,9 @@ class RolloutServer:
         """Resume the prompt bookkeeping of a checkpoint (TrainWorker.save_checkpoint; a directory or a
         Checkpointer root): prompts trained before it never come back, its queued rollouts return."""
         from minirl.checkpoint import checkpointed_queue
-        path, trained, queued = checkpointed_queue(checkpoint)
-        self._q(self.queue.restore, trained, queued)
-        return {"path": path, "trained": len(trained), "queued": len(queued)}
+        path, trained, queued, failed = checkpointed_queue(checkpoint)
+        self._q(self.queue.restore, trained, queued, failed)
+        return {"path": path, "trained": len(trained), "queued": len(queued), "failed": len(failed)}
 
     def run(self, prompts: list | None = None, *, metadata=None, uids=None, timeout_s: float | None = None,
             block: bool = True) -> dict:

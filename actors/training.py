@@ -24,6 +24,7 @@ import ray
 from actors import placement, tokens
 from actors.queue import DEFAULT_NAMESPACE, connect_queue
 from actors.weights import WeightPusher
+from minirl.checkpoint import trained_uids
 from minirl.data import RolloutBatch, split_by_tokens
 from minirl.distributed import on_rank0
 from minirl.hub import QueueRestarted
@@ -113,15 +114,14 @@ class TrainWorker:
         """Trainer state, the prompts trained so far and what the queue holds. Call right after
         sync_weights() at the end of a step. Collective."""
         queue = self._q(self.queue.snapshot) if self.rank.rank == 0 else {}
-        state = {"trained_uids": self.trained_uids, "in_flight": [it.uid for it in queue.get("in_flight", [])],
-                 **(state or {})}
-        return self.trainer.save_checkpoint(ckpt, step, state=state, objects={"queue": queue}, export_hf=export_hf)
+        objects = {"queue": queue, "trained_uids": list(self.trained_uids)}     # uids as they are (a tuple stays one)
+        return self.trainer.save_checkpoint(ckpt, step, state=state, objects=objects, export_hf=export_hf)
 
     def load_checkpoint(self, ckpt, path=None) -> dict:
         """Restore the trainer and its trained prompts; the queue rolls back to them (RolloutHub.rollback),
         the restored weights replace every generator's. Running or fresh (restored) queue. Collective."""
         out = self.trainer.load_checkpoint(ckpt, path)
-        self.trained_uids = list(out["state"]["trained_uids"])
+        self.trained_uids = trained_uids(out)
         self.trainer.policy_version = on_rank0(
             lambda: self._q(self.queue.rollback, self.trained_uids, self.policy_version), self.rank,
             "roll the queue back")

@@ -17,6 +17,7 @@ import json
 import pickle
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -82,7 +83,35 @@ def _safe_load(data: bytes):
 
 
 def _why(e: Exception) -> str:
+    """The first line of e, or the type torch's weights-only unpickler refused."""
+    if m := re.search(r"Unsupported global: GLOBAL (\S+)", str(e)):
+        return f"{m.group(1)} is not an allowed type"
     return str(e).splitlines()[0][:300]
+
+
+def _agreed(make):
+    """make() on every rank; CheckpointError on all of them if it raised one on any (a rank raising alone
+    left the others at the next barrier until its timeout)."""
+    try:
+        value, error = make(), None
+    except CheckpointError as e:
+        value, error = None, e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else str(error))
+        if error is None and (first := next(((r, e) for r, e in enumerate(errors) if e), None)):
+            raise CheckpointError(f"rank {first[0]}: {first[1]}")
+    if error is not None:
+        raise error
+    return value
+
+
+def _state_json(meta: dict) -> str:
+    try:
+        return json.dumps(meta)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"cannot checkpoint state={meta['state']!r:.200} ({e}): keep it to JSON (dicts, lists, "
+                              "str, numbers, None); pass other objects as objects=...") from None
 
 
 def _objects_blob(objects: dict) -> bytes:
@@ -184,7 +213,9 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0 (it names the checkpoint directory), got {step!r}")
         final, tmp = self.root / f"step_{step:08d}", self.root / f".tmp_step_{step:08d}"
-        blob = _objects_blob(objects) if objects else None    # before anything is written
+        meta = {"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+        blob, meta = _agreed(lambda: (_objects_blob(objects) if objects else None,      # before anything is
+                                      _state_json(meta | {"state": state or {}, "compat": compat or {}})))  # written
         if final.exists():                  # every rank: one raising alone left the others at the barrier
             raise CheckpointError(f"checkpoint {final} already exists")
         if _rank() == 0:
@@ -202,8 +233,7 @@ class Checkpointer:
             export_hf(model, tmp / "hf", tokenizer_from=hf_from)
         _barrier()
         if _rank() == 0:
-            meta = {"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1}
-            (tmp / "state.json").write_text(json.dumps(meta | {"state": state or {}, "compat": compat or {}}))
+            (tmp / "state.json").write_text(meta)
             if blob is not None:
                 (tmp / "objects.pt").write_bytes(blob)
             (tmp / "MANIFEST.json").write_text(json.dumps(_manifest(tmp)))
@@ -268,10 +298,17 @@ def read_state(path: str | os.PathLike) -> dict:
 
 
 def checkpointed_queue(checkpoint) -> tuple:
-    """(path, trained uids, queued [(PromptItem, RolloutBatch)]) of an async run's checkpoint (a
-    directory, or a Checkpointer root: its latest), as TrainWorker.save_checkpoint wrote them."""
+    """(path, trained uids, queued [(PromptItem, RolloutBatch)], failed {uid: cause}) of an async run's
+    checkpoint (a directory, or a Checkpointer root: its latest), as TrainWorker.save_checkpoint wrote them."""
     path = checkpoint if (Path(checkpoint) / "state.json").exists() else Checkpointer(checkpoint).latest()
     if path is None:
         raise FileNotFoundError(f"no complete checkpoint under {checkpoint}")
     ck = read_state(path)
-    return ck["path"], ck["state"]["trained_uids"], ck["objects"].get("queue", {}).get("buffered", [])
+    queue = ck["objects"].get("queue", {})
+    return ck["path"], trained_uids(ck), queue.get("buffered", []), queue.get("failed", {})
+
+
+def trained_uids(ck: dict) -> list:
+    """The prompt uids an async trainer trained, of read_state's dict: as they were (objects.pt), or
+    from the JSON state of a checkpoint written before they moved there (a tuple uid comes back a list)."""
+    return list(ck["objects"].get("trained_uids", ck["state"].get("trained_uids", [])))

@@ -174,18 +174,21 @@ class RolloutHub:
         return len(items)
 
     def snapshot(self) -> dict:
-        """For a checkpoint: buffered batches with their prompts, and the pending and leased prompts."""
+        """For a checkpoint: buffered batches with their prompts, the pending and leased prompts, the failed uids."""
         return {"buffered": [(replace(self._items[u]), b) for u, b in self._buffer.items()],
                 "in_flight": [replace(self._items[u]) for u in self._leases],
-                "pending": [replace(self._items[u]) for u in self._pending]}
+                "pending": [replace(self._items[u]) for u in self._pending], "failed": dict(self._failed)}
 
-    def restore(self, delivered: list, buffered: list) -> None:
-        """Resume from a checkpoint: `delivered` uids are never issued again; `buffered`
-        [(PromptItem, RolloutBatch)] go back into the buffer as they were. Call it before the prompts are added."""
-        if early := [u for u in (*delivered, *(it.uid for it, _ in buffered)) if u in self._items]:
+    def restore(self, delivered: list, buffered: list, failed: dict | None = None) -> None:
+        """Resume from a checkpoint: `delivered` uids are never issued again, nor `failed` ones ({uid: cause},
+        failures() again); `buffered` [(PromptItem, RolloutBatch)] go back into the buffer as they were. Call it
+        before the prompts are added."""
+        failed = dict(failed or {})
+        if early := [u for u in (*delivered, *failed, *(it.uid for it, _ in buffered)) if u in self._items]:
             raise ValueError(f"restore: prompt uids {early[:5]} were added to the queue before restore (they would "
                              "train again): restore the checkpoint first, then add the prompts with skip_known=True")
         self._delivered.update(dict.fromkeys(u for u in delivered if u not in self._delivered))
+        self._failed.update(failed)
         for item, batch in buffered:
             if self._known(item.uid):
                 raise ValueError(f"restore: prompt uid {item.uid!r} is already known to the queue")

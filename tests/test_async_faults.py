@@ -18,7 +18,7 @@ import pytest
 import ray
 
 from actors.server import RolloutServer
-from minirl.checkpoint import Checkpointer, read_state
+from minirl.checkpoint import Checkpointer, read_state, trained_uids
 from minirl.recipes.tasks import get_task
 from test_checkpoint import _loop            # train, checkpoint every k steps, pause a moment
 
@@ -199,7 +199,7 @@ def test_trainer_killed_alone_and_resumed_trains_every_prompt_once(ray_local, ti
         time.sleep(rng.uniform(0, 1.0))
     while time.time() < deadline:            # the trainer has pulled past its newest checkpoint
         latest = Checkpointer(root).latest()
-        if latest is not None and len(read_state(latest)["state"]["trained_uids"]) < srv.queue_stats()["delivered"]:
+        if latest is not None and len(trained_uids(read_state(latest))) < srv.queue_stats()["delivered"]:
             break
         time.sleep(0.05)
     ray.kill(trainer)                        # the server and the generator keep running
@@ -207,14 +207,14 @@ def test_trainer_killed_alone_and_resumed_trains_every_prompt_once(ray_local, ti
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(run1, timeout=60)
     lost_version = srv.queue_stats()["version"]
-    ck = read_state(Checkpointer(root).latest())["state"]
-    assert len(ck["trained_uids"]) < srv.queue_stats()["delivered"]   # the dead trainer pulled past it
-    assert moment != "during a push" or lost_version > ck["policy_version"]
+    ck = read_state(Checkpointer(root).latest())
+    assert len(trained_uids(ck)) < srv.queue_stats()["delivered"]   # the dead trainer pulled past it
+    assert moment != "during a push" or lost_version > ck["state"]["policy_version"]
 
     pg, (trainer,) = start_trainers(1, tiny_model, "q-trainer-kill", **TRAIN)
     (version, gen_versions, before), trained, final = ray.get(trainer.run.remote(_resume, root), timeout=600)
     srv.wait(timeout_s=120)
-    assert before == ck["trained_uids"]
+    assert before == trained_uids(ck)
     ck_version = read_state(Checkpointer(root).latest())["state"]["policy_version"]
     assert version == lost_version + 2      # never reused: above the lost ones and a push perhaps unheard of
     assert gen_versions == {version}                                # back on the restored weights

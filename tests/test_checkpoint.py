@@ -15,7 +15,7 @@ import torch
 
 from conftest import ROOT, run_py
 from minirl import ppo_loss_fn
-from minirl.checkpoint import Checkpointer, CheckpointError, read_state, verify
+from minirl.checkpoint import Checkpointer, CheckpointError, read_state, trained_uids, verify
 from minirl.recipes.tasks import get_task
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -250,6 +250,56 @@ def _stop(srv, pg, trainer):
 
 
 @pytest.mark.slow
+def _save_where_rank0_cannot(rank: int, port: int, root: str, out) -> None:
+    """One rank of test_a_checkpoint_one_rank_cannot_write_fails_on_every_rank (spawned)."""
+    from datetime import timedelta
+
+    import numpy as np
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=30))
+    model, opt = _small_state(0)
+    t0 = time.time()
+    try:        # rank 0 alone holds the queue's snapshot: a numpy uid there (torch.load would refuse it)
+        Checkpointer(root).save(1, model, opt, objects={"queue": {"failed": {np.int64(3): "x"}} if rank == 0 else {}})
+        out[rank] = ("no error", "", time.time() - t0)
+    except Exception as e:
+        out[rank] = (type(e).__name__, str(e), time.time() - t0)
+    dist.destroy_process_group()
+
+
+def test_a_checkpoint_one_rank_cannot_write_fails_on_every_rank(tmp_path):
+    """What one rank cannot checkpoint (objects outside the allow-list, state that is no JSON) is refused
+    on every rank at once, before anything is written, not by one rank alone while the others wait at
+    the next barrier until the process group's timeout."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_save_where_rank0_cannot, args=(port, str(tmp_path / "ck"), out), nprocs=2, join=True)
+    assert out[0][0] == "CheckpointError" and "numpy._core.multiarray.scalar is not an allowed type" in out[0][1]
+    assert out[1][0] == "CheckpointError" and out[1][1].startswith("rank 0: cannot checkpoint these objects")
+    assert out[1][2] < 20, out[1]                                        # not the group's 30 s timeout
+    assert not list((tmp_path / "ck").glob("*step_*"))                   # nothing written
+    model, opt = _small_state(0)
+    with pytest.raises(CheckpointError, match=r"cannot checkpoint state=.*keep it to JSON"):
+        Checkpointer(tmp_path / "ck").save(1, model, opt, state={"uids": {3, 4}})
+
+
+def test_an_async_trainers_uids_come_back_as_they_were(tmp_path):
+    """TrainWorker keeps the uids it trained in objects.pt: a tuple uid comes back a tuple (hashable, as
+    the queue's rollback needs), where JSON made it a list; a checkpoint written with them in its JSON
+    state still reads."""
+    model, opt = _small_state(0)
+    new = Checkpointer(tmp_path / "a").save(1, model, opt, objects={"trained_uids": [("gsm8k", 0), 5]})
+    old = Checkpointer(tmp_path / "b").save(1, model, opt, state={"trained_uids": [["gsm8k", 0], 5]})
+    assert trained_uids(read_state(new)) == [("gsm8k", 0), 5]
+    assert trained_uids(read_state(old)) == [["gsm8k", 0], 5]
+
+
 def test_async_killed_and_resumed_trains_every_prompt_once(ray_local, tiny_model, tmp_path):
     root = str(tmp_path / "ck")
     srv, pg, trainer = _start(tiny_model, "q-resume")
@@ -263,7 +313,7 @@ def test_async_killed_and_resumed_trains_every_prompt_once(ray_local, tiny_model
         ray.get(run1, timeout=60)
 
     ck = read_state(Checkpointer(root).latest())
-    before = ck["state"]["trained_uids"]
+    before = trained_uids(ck)
     assert 0 < len(before) < N_PROMPTS and len(set(before)) == len(before)
 
     srv, pg, trainer = _start(tiny_model, "q-resume", resume_from=root)

@@ -253,6 +253,21 @@ def test_failed_prompt_skipped_and_recorded():
         RolloutHub(max_batches=1, on_failure="retry")
 
 
+def test_failed_prompts_stay_failed_across_a_checkpoint():
+    """on_failure="skip": a prompt that failed before the checkpoint is in its snapshot; the resumed
+    queue knows it failed (failures()) and does not generate it again when the prompts come back."""
+    hub = RolloutHub(max_batches=4, on_failure="skip")
+    hub.add_prompts(prompts(range(4)))
+    hub.take_prompts("a", 2)
+    hub.fail_prompts("a", [(1, "reward_fn raised KeyError")])
+    snap = hub.snapshot()
+    assert snap["failed"] == {1: "reward_fn raised KeyError"}
+    resumed = RolloutHub(max_batches=4, on_failure="skip")
+    resumed.restore([], [], snap["failed"])
+    assert resumed.add_prompts(prompts(range(4)), skip_known=True) == 3
+    assert resumed.failures() == snap["failed"] and 1 not in uids(resumed.take_prompts("a", 4))
+
+
 def test_rollback_redelivers_what_the_restored_trainer_did_not_train():
     hub = RolloutHub(max_batches=8)
     hub.add_prompts(prompts(range(8)))
