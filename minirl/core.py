@@ -181,7 +181,8 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor | None = None, mode: s
     """Reduce a (B, T) per-token loss ((T,): one sequence) to a scalar. "token-mean": over all counted
     tokens (DAPO; long answers weigh more). "seq-mean-token-mean": per sequence, then over sequences
     (GRPO). "seq-mean-token-sum-norm": each sequence's sum / max_tokens (default T), then over
-    sequences (Dr.GRPO: no length bias from the divisor)."""
+    sequences (Dr.GRPO: no length bias from the divisor). The sequence means leave out sequences with
+    no counted token (Rollout.as_padding's), which would otherwise average in as 0."""
     if mask is not None and mask.shape != per_token.shape:
         raise ValueError(f"mask {tuple(mask.shape)} does not match the per-token loss "
                          f"{tuple(per_token.shape)}: pass one mask entry per scored token, as old_logprobs")
@@ -191,11 +192,12 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor | None = None, mode: s
     masked = per_token * mask
     if mode == "token-mean":
         return masked.sum() / mask.sum().clamp(min=1)
-    if mode == "seq-mean-token-mean":      # over the sequences with a counted token (a masked-out one is no 0)
-        counted = mask.sum(-1)
-        return (masked.sum(-1) / counted.clamp(min=1)).sum() / (counted > 0).sum().clamp(min=1)
+    counted = mask.sum(-1)
+    sequences = (counted > 0).sum().clamp(min=1)           # a masked-out sequence is no 0 in the mean
+    if mode == "seq-mean-token-mean":
+        return (masked.sum(-1) / counted.clamp(min=1)).sum() / sequences
     if mode == "seq-mean-token-sum-norm":
-        return (masked.sum(-1) / (per_token.shape[-1] if max_tokens is None else max_tokens)).mean()
+        return (masked.sum(-1) / (per_token.shape[-1] if max_tokens is None else max_tokens)).sum() / sequences
     raise ValueError(f"unknown aggregation {mode!r}; choose one of {AGGREGATIONS}")
 
 

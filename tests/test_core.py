@@ -191,6 +191,9 @@ def test_aggregate_without_mask_and_1d():
     # a sequence masked out entirely is left out of seq-mean-token-mean's divisor, not averaged in as 0:
     # rows [1, 2 | 3] and [4, 5, 6 masked out] -> (1 + 2) / 2 = 1.5 (not 1.5 / 2 = 0.75)
     close(aggregate(t(PER_TOKEN), t([[1, 1, 0], [0, 0, 0]]), "seq-mean-token-mean"), 1.5)
+    # ... and of seq-mean-token-sum-norm's: (1 + 2) / 3 = 1 (not 1 / 2): a padding row changes nothing
+    close(aggregate(t(PER_TOKEN), t([[1, 1, 0], [0, 0, 0]]), "seq-mean-token-sum-norm"), 1.0)
+    close(aggregate(t(PER_TOKEN), torch.zeros(2, 3), "seq-mean-token-sum-norm"), 0.0)
     # nothing counted -> 0, not NaN
     close(aggregate(t(PER_TOKEN), torch.zeros(2, 3), "seq-mean-token-mean"), 0.0)
     close(aggregate(t(PER_TOKEN), torch.zeros(2, 3), "token-mean"), 0.0)
