@@ -46,9 +46,9 @@ class ColocatedWorker(placement.RankActor):
                                      policy_version=version, device="cpu")
         return [b.compute_advantages() for b in batches]
 
-    def forward_backward(self, rollouts: list, loss_fn) -> dict:
+    def forward_backward(self, rollouts: list, loss_fn, **kwargs) -> dict:
         self.wm.as_trainable()
-        return self.wm.trainer.forward_backward(rollouts, loss_fn)
+        return self.wm.trainer.forward_backward(rollouts, loss_fn, **kwargs)
 
     def optim_step(self) -> dict:
         self.wm.as_trainable()
@@ -110,11 +110,12 @@ class ColocatedGroup:
                 for i, w in enumerate(self.workers)]
         return sorted((b for part in self._get(refs, "generate") for b in part), key=lambda b: b.uid)
 
-    def forward_backward(self, rollouts: list, loss_fn) -> dict:
-        """Gradients of loss_fn's token mean over all `rollouts`, split over the ranks by tokens."""
+    def forward_backward(self, rollouts: list, loss_fn, **kwargs) -> dict:
+        """Gradients of loss_fn's token mean over all `rollouts`, split over the ranks by tokens. kwargs:
+        Trainer.forward_backward's; `temperature` the one generate() sampled at (its log-probs are at it)."""
         from minirl.data import split_by_tokens
         parts = split_by_tokens(rollouts, len(self.workers))
-        return self._get([w.forward_backward.remote(p, loss_fn) for w, p in zip(self.workers, parts)],
+        return self._get([w.forward_backward.remote(p, loss_fn, **kwargs) for w, p in zip(self.workers, parts)],
                          "forward_backward")[0]
 
     def optim_step(self) -> list[dict]:

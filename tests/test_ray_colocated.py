@@ -48,6 +48,10 @@ def test_verbs_from_the_driver(ray_local, tiny_model):
         assert all(s["probe_gap"] < 2e-3 for s in synced)   # each rank's engine == the shards
         batches = group.generate(prompts, {"max_tokens": 2}, 4, task.reward, metadata=answers)
         assert all(r.policy_version == 1 for b in batches for r in b), [r.policy_version for b in batches for r in b]
+        hot = [r for b in group.generate(prompts, {"max_tokens": 2, "temperature": 0.5}, 4, task.reward,
+                                         metadata=answers) for r in b]
+        ratio = {t: group.forward_backward(hot, ppo_loss_fn(entropy=False), temperature=t)["ratio"] for t in (0.5, 1.0)}
+        assert abs(ratio[0.5] - 1) < 1e-4 < abs(ratio[1.0] - 1)      # sampled at 0.5: on-policy only at 0.5
     finally:
         group.shutdown()
 
