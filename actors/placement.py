@@ -43,12 +43,14 @@ def get(ref, timeout_s: float, what: str):
 
 def call(method, *args, timeout_s: float, what: str, restart_s: float = 60.0, **kwargs):
     """method.remote(*args, **kwargs), got within timeout_s; if its actor dies (RayActorError) the call
-    is made again, for up to restart_s, so it lands on the restarted actor (the rollout queue's)."""
-    deadline = time.monotonic() + restart_s
+    is made again, for up to restart_s after that death (a call may have waited long before it), so it
+    lands on the restarted actor (the rollout queue's)."""
+    deadline = None
     while True:
         try:
             return get(method.remote(*args, **kwargs), timeout_s, what)
         except ray.exceptions.RayActorError:
+            deadline = deadline or time.monotonic() + restart_s
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.5)

@@ -125,12 +125,16 @@ class GeneratorPool:
             g["ready"] = True
             return
         except ray.exceptions.RayActorError as e:
-            why = f"failed to start: {placement.cause(e)[:300]}"
+            self._drop(wid, f"failed to start: {placement.cause(e)[:300]}")
+
+    def _drop(self, wid: str, why: str) -> None:
+        """A generator that cannot start: removed with its placement group, the cause counted; with no
+        generator left, the run stops with it."""
         self.failure_causes[why] = self.failure_causes.get(why, 0) + 1
         self.stats["failed_starts"] += 1
+        g = self.generators.pop(wid)
         ray.kill(g["actor"], no_restart=True)
         placement.remove(g["pg"])
-        del self.generators[wid]
         if not self.generators:
             raise RuntimeError(f"rollout server: generator {wid} {why}; no generator is left")
 
@@ -142,6 +146,9 @@ class GeneratorPool:
             for k, v in ray.get(ref).items():
                 self.stats[k] = self.stats.get(k, 0) + v
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            if getattr(e, "actor_init_failed", False) and g is not None:   # restarted, and its start failed:
+                placement.call(self.queue.unregister_worker, wid, timeout_s=self.timeout, what="rollout queue")
+                return self._drop(wid, f"failed to restart: {placement.cause(e)[:300]}")   # gone for good
             lost = isinstance(e, ray.exceptions.RayActorError)      # its actor died or is restarting
             self.stats["lost_runs" if lost else "failures"] += 1
             if not lost:                                           # run() raised: what it said, counted

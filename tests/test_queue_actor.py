@@ -355,3 +355,65 @@ def test_the_pool_removes_a_generator_whose_start_failed():
     assert pool.stats["failed_starts"] == 1 and pool.stats["lost_runs"] == 0 and not pool.generators
     assert placement_group_table()[pg.id.hex()]["state"] == "REMOVED"
     ray.kill(q)
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
+class _Flaky:
+    """Called slowly, it dies; restarted, its start fails (as a generator's engine out of memory)."""
+
+    def __init__(self):
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            raise RuntimeError("CUDA out of memory rebuilding the engine")
+
+    def slow(self, s):
+        time.sleep(s)
+        os._exit(1)
+
+    def run(self, k):
+        os._exit(1)
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
+class _DiesOnce:
+    def slow(self, s):
+        if not ray.get_runtime_context().was_current_actor_reconstructed:
+            time.sleep(s)
+            os._exit(1)
+        return "restarted"
+
+
+@ray.remote(num_cpus=0)
+class _Queue:
+    def stats(self):
+        return {"awaiting": [], "finished": False}
+
+    def release_worker(self, wid):
+        return 0
+
+    def unregister_worker(self, wid):
+        return 0
+
+
+def test_a_call_that_waited_long_is_made_again_on_the_restarted_actor():
+    """placement.call's restart window counts from the actor's death, not from the call: a trainer's
+    get that waited longer than restart_s when the queue died lands on the restarted queue."""
+    from actors import placement
+    actor = _DiesOnce.remote()
+    assert placement.call(actor.slow, 3, timeout_s=T, what="queue", restart_s=1.5) == "restarted"
+    ray.kill(actor)
+
+
+def test_the_pool_removes_a_generator_whose_restart_failed():
+    """A generator that died and whose restart failed in its start is removed (cause counted, placement
+    group freed, gone from the queue), not run again every second until the server's timeout."""
+    from actors import placement
+    from actors.pool import GeneratorPool
+    q = _Queue.remote()
+    pool = GeneratorPool("model", q, "q-flaky", "minirl", {}, resources={"CPU": 1}, call_timeout_s=T)
+    pg = placement.create([{"CPU": 0.01}], strategy="STRICT_PACK", name="q-flaky-gen-x")
+    pool.generators["gen-x"] = {"actor": _Flaky.remote(), "pg": pg, "ready": True, "run": None, "info": None,
+                                "retry_at": 0.0}
+    with pytest.raises(RuntimeError, match="generator gen-x failed to restart: .*out of memory.*no generator is left"):
+        pool.watch(timeout_s=T)
+    assert pool.stats["failed_starts"] == 1 and not pool.generators
+    ray.kill(q)
