@@ -19,6 +19,7 @@ import ray
 
 from actors import placement
 from actors.generation import GenerationActor
+from minirl.weights import SyncError
 
 
 class GeneratorPool:
@@ -154,6 +155,9 @@ class GeneratorPool:
             if not lost:                                           # run() raised: what it said, counted
                 why = placement.cause(e)[:300]
                 self.failure_causes[why] = self.failure_causes.get(why, 0) + 1
+                if isinstance(e, SyncError) or isinstance(getattr(e, "cause", None), SyncError):   # as a push's:
+                    raise RuntimeError(f"rollout server: generator {wid}: {why}") from None   # run again, it would
+                    # lease on the weights that failed their check
             placement.call(self.queue.release_worker, wid, timeout_s=self.timeout, what="rollout queue")
             if g is not None:
                 g["retry_at"] = time.time() + 1.0          # let the actor restart

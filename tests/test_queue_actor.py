@@ -417,3 +417,24 @@ def test_the_pool_removes_a_generator_whose_restart_failed():
         pool.watch(timeout_s=T)
     assert pool.stats["failed_starts"] == 1 and not pool.generators
     ray.kill(q)
+
+
+@ray.remote(num_cpus=0)
+class _Mismatched:
+    def run(self, k):        # loading the latest weights, their probe did not match the trainer's
+        from minirl.weights import SyncError
+        raise SyncError("generator gen-x (loading the latest weights): probe gap 0.4 > 0.01")
+
+
+def test_a_generator_whose_weights_fail_their_check_stops_the_run():
+    """A generator's weights failing their check while it runs (a load from the object store) stop the
+    run, as a push's do, naming the check: run again it would lease on those weights."""
+    from actors.pool import GeneratorPool
+    q = _Queue.remote()
+    pool = GeneratorPool("model", q, "q-mismatch", "minirl", {}, resources={"CPU": 1}, call_timeout_s=T)
+    pool.generators["gen-x"] = {"actor": _Mismatched.remote(), "pg": None, "ready": True, "run": None,
+                                "info": None, "retry_at": 0.0}
+    with pytest.raises(RuntimeError, match=r"generator gen-x: .*probe gap 0.4"):
+        pool.watch(timeout_s=T)
+    assert pool.stats["failures"] == 1
+    ray.kill(q)
