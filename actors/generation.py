@@ -68,7 +68,7 @@ class GenerationActor:
         except ray.exceptions.ObjectLostError:    # OwnerDiedError: fetched before any load, nothing changed
             return False
         if w["logprobs"] is not None:
-            check_sync(probe_gap(w["logprobs"], ack["probe_logprobs"]), False, tolerance=None,
+            check_sync(probe_gap(w["logprobs"], ack["probe_logprobs"]), False, tolerance=w.get("tolerance"),
                        engine_dtype=w["dtype"], where=f"generator {self.worker_id} (loading the latest weights)",
                        version=version)
         return True

@@ -30,6 +30,7 @@ from minirl.distributed import on_rank0
 from minirl.hub import QueueRestarted
 from minirl.model import check_model_path, model_identity
 from minirl.trainer import Trainer, TrainerConfig
+from minirl.weights import check_tolerance
 
 
 STARVED_S = 10.0
@@ -44,11 +45,12 @@ class TrainWorker:
 
     def __init__(self, model: str, queue_address: str = "minirl-rollouts", *, lr: float | None = None,
                  config: TrainerConfig | None = None, max_staleness: int = 1, batch_size: int = 8,
-                 transport: str = "object_store", verify_sync: bool = True,
+                 transport: str = "object_store", verify_sync: bool = True, probe_tolerance: float | None = None,
                  namespace: str = DEFAULT_NAMESPACE, pull_timeout_s: float = 600.0, sync_timeout_s: float = 600.0,
                  queue_token: str | None = None):
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        check_tolerance(probe_tolerance)
         placement.ray_init(namespace)
         self.queue = connect_queue(queue_address, namespace=namespace, token=queue_token,   # actors/tokens.py
                                    model_id=model_identity(check_model_path(model)))
@@ -60,7 +62,8 @@ class TrainWorker:
         self.trainer = Trainer(model, replace(config or TrainerConfig(), **({} if lr is None else {"lr": lr})))
         self.rank, self.device = self.trainer.rank, self.trainer.device
         self.trainer.policy_version = self._q(self.queue.stats)["version"]
-        self.pusher = WeightPusher(self.trainer, self.queue, transport, verify=verify_sync, timeout_s=sync_timeout_s)
+        self.pusher = WeightPusher(self.trainer, self.queue, transport, verify=verify_sync, timeout_s=sync_timeout_s,
+                                   tolerance=probe_tolerance)
         self.trained_uids, self.timings = [], {}     # trained_uids: every prompt pulled (once), in order
 
     model, optimizer = property(lambda self: self.trainer.model), property(lambda self: self.trainer.optimizer)

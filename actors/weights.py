@@ -29,10 +29,11 @@ PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 0123456789 = 3+4"
 
 class WeightPusher:
     def __init__(self, trainer, queue, transport: str = "object_store", *, verify: bool = True,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, tolerance: float | None = None):
         if transport not in ("object_store", "collective"):
             raise ValueError(f"transport={transport!r}: choose 'object_store' or 'collective'")
         self.trainer, self.queue, self.transport, self.timeout = trainer, queue, transport, timeout_s
+        self.tolerance = tolerance            # the probe gap a sync may show (None: check_sync's default)
         self.rank0 = trainer.rank.rank == 0
         self.probe = None
         if verify:
@@ -59,7 +60,7 @@ class WeightPusher:
             fp, lp = tr.gather(ship, dtype=tr.compute_dtype, probe_ids=self.probe, names=self._seen)
             if self.rank0:                      # kept alive: restarted generators fetch and check them
                 self.published = {"refs": refs, "probe_ids": self.probe, "dtype": tr.compute_dtype,
-                                   "logprobs": None if lp is None else lp.tolist()}
+                                  "tolerance": self.tolerance, "logprobs": None if lp is None else lp.tolist()}
                 placement.call(self.queue.set_version, version, self.published, timeout_s=self.timeout,
                                what="rollout queue")      # then who to tell: one registering later reads it
                 acks = {w: h.load_from_store.remote(version, refs, self.probe) for w, h in workers().items()}
@@ -90,7 +91,7 @@ class WeightPusher:
                     self._seen, self._fps, fp_kept = set(seen), {}, False   # weights: checksum those from now
                 before = self._fps.get(ack["from_version"]) if fp_kept else None
                 stuck = before is not None and not _equal(before, fp) and not ack["changed"]
-                check_sync(probe_gap(lp, ack["probe_logprobs"]), stuck, tolerance=None,
+                check_sync(probe_gap(lp, ack["probe_logprobs"]), stuck, tolerance=self.tolerance,
                            engine_dtype=tr.compute_dtype, where=f"generator {wid}", version=version)
         if self.probe is not None and fp_kept:
             self._fps = {v: f for v, f in self._fps.items() if v >= version - 8} | {version: fp}

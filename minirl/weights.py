@@ -152,4 +152,4 @@ def check_sync(gap: float, stuck: bool, *, tolerance: float | None, engine_dtype
         raise SyncError(f"after sync, {where} and the trainer's log-probs of the probe differ by {gap:.4f} "
                         f"(tolerance {tolerance}): {where} lacks the trainer's weights (version {version}). If "
                         "the weights are right and this is rounding (bf16 gaps grow with the model's size), set "
-                        "WeightManagerConfig(probe_tolerance=...) above the gap")
+                        "probe_tolerance above the gap (WeightManagerConfig; async: TrainWorker)")

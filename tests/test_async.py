@@ -324,6 +324,13 @@ def test_async_sync_is_verified(ray_local, tiny_model, changed, msg):
     worker.trainer.optim_step()
     with pytest.raises(SyncError, match=msg):
         worker.sync_weights()
+    if changed:          # the gap is the lie's: a tolerance above it (the rounding of a big bf16 model) passes
+        assert "set probe_tolerance above the gap (WeightManagerConfig; async: TrainWorker)" in str(
+            pytest.raises(SyncError, worker.sync_weights).value)
+        worker.pusher.tolerance = 1e9                            # as TrainWorker(probe_tolerance=1e9) sets it
+        assert worker.sync_weights()["generators"] == 1
+        with pytest.raises(ValueError, match="probe_tolerance must be a finite number >= 0"):
+            TrainWorker(tiny_model, name, probe_tolerance=-1.0)
     ray.kill(q)
 
 
