@@ -37,7 +37,8 @@ class GeneratorPool:
 
     def add(self, resources: dict | None = None, *, wait: bool = True) -> str:
         """One more replica in its own placement group (pending until the cluster can place it);
-        it loads the current weights before it takes prompts."""
+        it loads the current weights before it takes prompts. wait: until it is ready, else it and its
+        group are removed with the error."""
         wid = f"gen-{uuid.uuid4().hex[:8]}"
         bundle = dict(resources or self.resources)
         pg = placement.create([bundle], strategy="STRICT_PACK", name=f"{self.name}-{wid}")
@@ -49,7 +50,13 @@ class GeneratorPool:
         self.generators[wid] = {"actor": actor, "pg": pg, "ready": False, "run": None,
                                 "info": actor.info.remote(), "retry_at": 0.0}
         if wait:
-            self.wait_ready(wid)
+            try:
+                self.wait_ready(wid)
+            except BaseException:        # not placed in time, or its start failed: nothing left to start later
+                g = self.generators.pop(wid)
+                ray.kill(g["actor"], no_restart=True)
+                placement.remove(g["pg"])
+                raise
         return wid
 
     def wait_ready(self, wid: str) -> None:

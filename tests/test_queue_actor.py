@@ -438,3 +438,18 @@ def test_a_generator_whose_weights_fail_their_check_stops_the_run():
         pool.watch(timeout_s=T)
     assert pool.stats["failures"] == 1
     ray.kill(q)
+
+
+def test_a_replica_added_that_is_not_placed_in_time_is_removed():
+    """add(wait=True) past its ready timeout (no node has the resources) raises and leaves nothing that
+    would start later: no replica in the pool, its placement group removed."""
+    from ray.util.placement_group import placement_group_table
+
+    from actors.pool import GeneratorPool
+    pool = GeneratorPool("model", None, "q-unplaced", "minirl", {}, resources={"CPU": 64}, call_timeout_s=T,
+                         ready_timeout_s=1.0)
+    before = set(placement_group_table())
+    with pytest.raises(TimeoutError, match="still PENDING after 1.0 s"):
+        pool.add()
+    groups = {k: v["state"] for k, v in placement_group_table().items() if k not in before}
+    assert not pool.generators and list(groups.values()) == ["REMOVED"]
