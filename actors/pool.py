@@ -91,7 +91,8 @@ class GeneratorPool:
 
     def watch(self, timeout_s: float | None = None, rejoin=None) -> None:
         """Keep every ready generator's loop running until the queue is finished; rejoin(ready
-        generators {worker_id: actor}) is called when the queue's actor restarted and awaits the server."""
+        generators {worker_id: actor}) is called when the queue's actor restarted and awaits the server.
+        add() and remove() may run in another thread meanwhile: it iterates over copies of the pool."""
         deadline = None if timeout_s is None else time.time() + timeout_s
         failing = None                            # since when a rejoin has failed
         while not self.stopped:
@@ -100,7 +101,7 @@ class GeneratorPool:
             q = placement.call(self.queue.stats, timeout_s=self.timeout, what="rollout queue")
             if "server" in q["awaiting"] and rejoin is not None:
                 try:
-                    rejoin({w: g["actor"] for w, g in self.generators.items() if g["ready"]})
+                    rejoin({w: g["actor"] for w, g in list(self.generators.items()) if g["ready"]})
                     failing = None
                 except ray.exceptions.RayError as e:
                     failing = failing or time.time()    # the queue died again, or Ray lost an argument
@@ -114,7 +115,7 @@ class GeneratorPool:
                 if (g["ready"] and g["run"] is None and not finished and not g.get("draining")
                         and time.time() >= g["retry_at"]):
                     g["run"] = g["actor"].run.remote(self.per_call)
-            runs = {g["run"]: w for w, g in self.generators.items() if g["run"] is not None}
+            runs = {g["run"]: w for w, g in list(self.generators.items()) if g["run"] is not None}
             if not runs and finished:
                 return
             for ref in ray.wait(list(runs), num_returns=1, timeout=0.5)[0] if runs else ():
