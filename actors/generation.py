@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 from dataclasses import replace
 
 import ray
@@ -48,11 +49,11 @@ class GenerationActor:
         self._call(self.queue.register_worker, worker_id, ray.get_runtime_context().current_actor)
         self._bootstrap()            # and after: a push that did not see it registered published before this
 
-    def _call(self, method, *args, wait_s: float = 0.0):
+    def _call(self, method, *args, wait_s: float = 0.0, **kwargs):
         """A queue call, made again if the queue's actor restarts meanwhile (placement.call); wait_s: how
         long the call itself may wait in the queue (the queue's own timeout ends it first)."""
         return placement.call(method, *args, timeout_s=wait_s + self.timeout,
-                              what=f"generator {self.worker_id}: the rollout queue")
+                              what=f"generator {self.worker_id}: the rollout queue", **kwargs)
 
     def _bootstrap(self) -> bool:
         """Load the trainer's latest weights if the queue holds newer ones than the engine (object
@@ -81,7 +82,8 @@ class GenerationActor:
         self._stop.clear()
 
         def lease(k: int):
-            items = self._call(self.queue.take_prompts, self.worker_id, k, self.gen.policy_version, 1.0)
+            items = self._call(self.queue.take_prompts, self.worker_id, k, self.gen.policy_version, 1.0,
+                               call=uuid.uuid4().hex)    # made again: the same lease (RolloutQueueActor._once)
             if items is None:                    # too stale to start: newer weights first
                 stats["stale_waits"] += 1
                 if not self._bootstrap():

@@ -39,6 +39,20 @@ class RolloutQueueActor:
         self.name, self.token, self._cond = name, token, asyncio.Condition()    # token None: open to all
         again = ray.get_runtime_context().was_current_actor_reconstructed      # restarted by Ray: empty
         self.hub = RolloutHub(max_batches, model_id=model_id, name=name, on_failure=on_failure, restarted=again)
+        self._answers: dict = {}     # (verb, worker) -> (call id, what that call got): see _once
+
+    def _once(self, key, call: str | None, attempt):
+        """attempt, but a call made again with the same id (its caller saw the actor unavailable, and Ray
+        says it may have run: placement.call retries) gets that call's prompts or batches, not a second
+        lease or take. Also while the first is still waiting here."""
+        def once():
+            if call is not None and self._answers.get(key, (None,))[0] == call:
+                return self._answers[key][1]
+            out = attempt()
+            if call is not None and isinstance(out, list) and out:
+                self._answers[key] = (call, out)
+            return out
+        return once
 
     async def _until(self, attempt, timeout_s: float | None, poll_s: float | None = None):
         """Under the lock, attempt() now and after each state change (and every poll_s) until it is not
@@ -70,16 +84,17 @@ class RolloutQueueActor:
 
     @guarded
     async def get(self, n: int, timeout_s: float | None = 300.0, partial_at_end: bool = True,
-                  starved_s: float | None = None) -> list | None:
+                  starved_s: float | None = None, call: str | None = None) -> list | None:
         """n batches within max_staleness, waiting for the ones due first (RolloutHub.take_batches);
         at the end (prompts closed, none pending or leased) what remains, then []. With starved_s: None
         instead of waiting on once a generator was refused work that long for its stale weights
-        (RolloutHub.starved): the trainer pushes its weights again, then gets."""
+        (RolloutHub.starved): the trainer pushes its weights again, then gets. call: an id (_once)."""
         def attempt():
             if (got := self.hub.take_batches(n, partial_at_end=partial_at_end)) is not None:
                 return got
             return None if starved_s is not None and self.hub.starved(starved_s) else ...
-        out = await self._until(attempt, timeout_s, poll_s=None if starved_s is None else min(1.0, starved_s))
+        out = await self._until(self._once("get", call, attempt), timeout_s,
+                                poll_s=None if starved_s is None else min(1.0, starved_s))
         if out is ...:
             raise TimeoutError(f"rollout queue {self.name}: no {n} batches due within {timeout_s:.3g} s (stats: "
                                f"{self.hub.stats()}): are the generators running? (a step waits for its prompts)")
@@ -87,11 +102,13 @@ class RolloutQueueActor:
 
     @guarded
     async def take_prompts(self, worker_id: str, k: int, version: int | None = None,
-                           timeout_s: float | None = 0.0) -> list | None:
+                           timeout_s: float | None = 0.0, call: str | None = None) -> list | None:
         """Lease up to k prompts, waiting up to timeout_s for one; [] when there is none (check
-        finished()), None when `version` is too stale to start work."""
-        out = await self._until(lambda: ... if (got := self.hub.take_prompts(worker_id, k, version)) == []
-                                and not self.hub.finished() else got, timeout_s)
+        finished()), None when `version` is too stale to start work. call: an id (_once)."""
+        def attempt():
+            got = self.hub.take_prompts(worker_id, k, version)
+            return ... if got == [] and not self.hub.finished() else got
+        out = await self._until(self._once(("take", worker_id), call, attempt), timeout_s)
         return [] if out is ... else out
 
     @guarded

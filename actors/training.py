@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from dataclasses import replace
 
 import ray
@@ -88,7 +89,8 @@ class TrainWorker:
         """Rank 0: the queue's next n batches, waiting until `deadline` (time.monotonic); None when a
         generator was refused work STARVED_S for its stale weights meanwhile."""
         t = max(0.0, deadline - time.monotonic())
-        return self._q(self.queue.get, n, t, starved_s=STARVED_S, wait_s=t)
+        return self._q(self.queue.get, n, t, starved_s=STARVED_S, wait_s=t, call=uuid.uuid4().hex)   # made again:
+        # the same batches (RolloutQueueActor._once)
 
     def _announce_bound(self) -> None:
         """The one writer of the queue's staleness bound (RolloutHub's admission): this trainer's

@@ -453,3 +453,21 @@ def test_a_replica_added_that_is_not_placed_in_time_is_removed():
         pool.add()
     groups = {k: v["state"] for k, v in placement_group_table().items() if k not in before}
     assert not pool.generators and list(groups.values()) == ["REMOVED"]
+
+
+def test_a_take_made_again_with_its_call_id_gets_the_same_answer():
+    """Ray may report a live actor unavailable after the call ran (placement.call then makes it again):
+    take_prompts and get with the call's id answer it as the first time, with no second lease or
+    take, also while the first still waits; a new id leases and takes anew."""
+    n = name()
+    q = create_queue(n, max_batches=8)
+    get(q.add_prompts.remote([PromptItem(uid=u, prompt="p") for u in range(6)]))
+    first = get(q.take_prompts.remote("g", 2, call="lease-1"))
+    assert [it.uid for it in get(q.take_prompts.remote("g", 2, call="lease-1"))] == [it.uid for it in first] == [0, 1]
+    assert [it.uid for it in get(q.take_prompts.remote("g", 2, call="lease-2"))] == [2, 3]
+    waiting = q.get.remote(2, 20.0, call="take-1")                # waits: nothing buffered yet
+    again = q.get.remote(2, 20.0, call="take-1")                  # made again while the first waits
+    get(q.put.remote("g", [batch(0), batch(1)]))
+    assert [b.uid for b in get(waiting)] == [b.uid for b in get(again)] == [0, 1]
+    assert get(q.stats.remote())["delivered"] == 2 and get(q.stats.remote())["leased"] == 2
+    ray.kill(q)
