@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from minirl import vllm_compat as vc
+from minirl.distributed import pick_device
 from minirl.model import recompute_layers
 from minirl.trainer import Trainer, TrainerConfig, memory_levers
 
@@ -354,10 +355,13 @@ def trial_peak(trainer: Trainer, n: int) -> int | None:
 # -- before loading, and once the engine sleeps (steps 1 and 6 of the table) ----------------------
 
 def check_before_loading(model: str, tc: TrainerConfig, max_model_len: int | None) -> None:
-    """Step 1 on this CUDA device (the host's memory shared by its LOCAL_WORLD_SIZE processes)."""
+    """Step 1 on the CUDA device this rank will train on (the one init_distributed picks: asking the
+    current one, cuda:0, would put a context of every rank of a host on it), the host's memory shared
+    by its LOCAL_WORLD_SIZE processes."""
     import psutil
+    dev = pick_device(int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))))
     check_fits(estimate_memory(model, tc, world=int(os.environ.get("WORLD_SIZE", 1)), max_model_len=max_model_len),
-               torch.cuda.mem_get_info()[1], torch.cuda.get_device_name(),
+               torch.cuda.mem_get_info(dev)[1], torch.cuda.get_device_name(dev),
                host_available=psutil.virtual_memory().available / int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 

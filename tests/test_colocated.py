@@ -220,6 +220,20 @@ def test_model_that_does_not_fit(tiny_model, monkeypatch):
         WeightManager(tiny_model)
 
 
+def test_the_check_before_loading_asks_the_ranks_own_device(tiny_model, monkeypatch):
+    """Rank 2 of a host of 4 GPUs checks cuda:2, the device it will train on: asking the current device
+    (cuda:0 before set_device) would put a context of every rank on GPU 0. CUDA stood in for."""
+    from minirl import memory
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: asked.append(d) or (80 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: asked.append(d) or "GPU")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    memory.check_before_loading(tiny_model, TrainerConfig(), 256)
+    assert asked == [torch.device("cuda", 2)] * 2
+
+
 # ---- whole jobs in fresh processes ----------------------------------------------------------
 
 def _rewards(run_dir):
