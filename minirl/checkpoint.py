@@ -90,8 +90,8 @@ def _why(e: Exception) -> str:
 
 
 def _agreed(make):
-    """make() on every rank; CheckpointError on all of them if it raised one on any (a rank raising alone
-    left the others at the next barrier until its timeout)."""
+    """make() on every rank, before anything is written; CheckpointError on all of them if it raised one on
+    any (a rank raising alone left the others at the next barrier until its timeout)."""
     try:
         value, error = make(), None
     except CheckpointError as e:
@@ -213,9 +213,9 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0 (it names the checkpoint directory), got {step!r}")
         final, tmp = self.root / f"step_{step:08d}", self.root / f".tmp_step_{step:08d}"
-        meta = {"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1}
-        blob, meta = _agreed(lambda: (_objects_blob(objects) if objects else None,      # before anything is
-                                      _state_json(meta | {"state": state or {}, "compat": compat or {}})))  # written
+        meta = {"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "state": state or {}, "compat": compat or {}}
+        blob, state_json = _agreed(lambda: (_objects_blob(objects) if objects else None, _state_json(meta)))
         if final.exists():                  # every rank: one raising alone left the others at the barrier
             raise CheckpointError(f"checkpoint {final} already exists")
         if _rank() == 0:
@@ -233,7 +233,7 @@ class Checkpointer:
             export_hf(model, tmp / "hf", tokenizer_from=hf_from)
         _barrier()
         if _rank() == 0:
-            (tmp / "state.json").write_text(meta)
+            (tmp / "state.json").write_text(state_json)
             if blob is not None:
                 (tmp / "objects.pt").write_bytes(blob)
             (tmp / "MANIFEST.json").write_text(json.dumps(_manifest(tmp)))

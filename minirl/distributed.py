@@ -38,8 +38,11 @@ def listen(host: str, world_size: int, timeout_s: float = 600.0) -> dist.TCPStor
                          wait_for_workers=False, multi_tenant=True)
 
 
-def pick_device(local_rank: int) -> torch.device:
-    """cuda:<local_rank mod visible GPUs> when CUDA works in this process, else cpu."""
+def pick_device(local_rank: int | None = None) -> torch.device:
+    """cuda:<local_rank mod visible GPUs> when CUDA works in this process, else cpu; local_rank None:
+    LOCAL_RANK, else RANK, else 0 (what init_distributed reads)."""
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     cuda = torch.cuda.is_available()
     return torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
 

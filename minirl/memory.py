@@ -359,7 +359,7 @@ def check_before_loading(model: str, tc: TrainerConfig, max_model_len: int | Non
     current one, cuda:0, would put a context of every rank of a host on it), the host's memory shared
     by its LOCAL_WORLD_SIZE processes."""
     import psutil
-    dev = pick_device(int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))))
+    dev = pick_device()
     check_fits(estimate_memory(model, tc, world=int(os.environ.get("WORLD_SIZE", 1)), max_model_len=max_model_len),
                torch.cuda.mem_get_info(dev)[1], torch.cuda.get_device_name(dev),
                host_available=psutil.virtual_memory().available / int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
