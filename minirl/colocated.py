@@ -87,7 +87,8 @@ class WeightManager:
         precision(cfg.trainer.mixed_precision, device)
         vc.engine_kwargs(llm_kwargs, sleep=False, seed=0)
         if device.type == "cuda":        # a mode that cannot fit fails here, before any loading
-            memory.check_before_loading(model, cfg.trainer, llm_kwargs.get("max_model_len"))
+            memory.check_before_loading(model, cfg.trainer, llm_kwargs.get("max_model_len"),
+                                        cfg.offload_optimizer if cfg.sleep_level != 0 else False)
 
         self.trainer = Trainer(model, cfg.trainer)
         self.llm = None

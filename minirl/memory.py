@@ -354,26 +354,36 @@ def trial_peak(trainer: Trainer, n: int) -> int | None:
 
 # -- before loading, and once the engine sleeps (steps 1 and 6 of the table) ----------------------
 
-def check_before_loading(model: str, tc: TrainerConfig, max_model_len: int | None) -> None:
+def check_before_loading(model: str, tc: TrainerConfig, max_model_len: int | None,
+                         offload_optimizer: bool | None = False) -> None:
     """Step 1 on the CUDA device this rank will train on (the one init_distributed picks: asking the
     current one, cuda:0, would put a context of every rank of a host on it), the host's memory shared
-    by its LOCAL_WORLD_SIZE processes."""
+    by its LOCAL_WORLD_SIZE processes. offload_optimizer=None (the plan's to choose): the mode fits
+    if it fits either way."""
     import psutil
     dev = pick_device()
-    check_fits(estimate_memory(model, tc, world=int(os.environ.get("WORLD_SIZE", 1)), max_model_len=max_model_len),
-               torch.cuda.mem_get_info(dev)[1], torch.cuda.get_device_name(dev),
-               host_available=psutil.virtual_memory().available / int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    ways = (False, True) if offload_optimizer is None else (offload_optimizer,)
+    for i, off in enumerate(ways):
+        est = estimate_memory(model, tc, world=int(os.environ.get("WORLD_SIZE", 1)), max_model_len=max_model_len,
+                              offload_optimizer=off)
+        try:
+            return check_fits(est, torch.cuda.mem_get_info(dev)[1], torch.cuda.get_device_name(dev),
+                              host_available=psutil.virtual_memory().available / int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        except MemoryError:
+            if i == len(ways) - 1:
+                raise
 
 
-def estimate_memory(model: str, trainer: TrainerConfig, *, world: int = 1,
-                    max_model_len: int | None = None) -> dict[str, float]:
+def estimate_memory(model: str, trainer: TrainerConfig, *, world: int = 1, max_model_len: int | None = None,
+                    offload_optimizer: bool = False) -> dict[str, float]:
     """Bytes one GPU needs at least, by part, before anything is built (the model is read on the
     meta device): the trainer's fp32 weights, gradients and AdamW moments (shards of `world`; 0 on
     the device when cpu_offload; with LoRA those of the adapters and the also_train modules), the
     reference policy and the engine's weights (bf16 on CUDA, fp32 with mixed_precision="fp32") + 4
     GiB + a KV cache for two max_model_len-token sequences; no activations. "needed" = what stays
     resident while generating + the larger of the gradients and the engine (asleep while training).
-    "host" = what offload keeps in host memory instead."""
+    "host" = what offload keeps in host memory instead. offload_optimizer (the co-located config's):
+    AdamW's state waits on the host while the engine is awake, so it counts beside the gradients."""
     from transformers import AutoConfig, AutoModelForCausalLM
     mc = AutoConfig.from_pretrained(model, trust_remote_code=trainer.trust_remote_code)
     with torch.device("meta"):
@@ -397,9 +407,11 @@ def estimate_memory(model: str, trainer: TrainerConfig, *, world: int = 1,
         "engine": engine + 2 * (max_model_len or mc.max_position_embeddings) * per_token,
         "params": n, "trained_params": trained,
         "host_reference": dsize * n / world * (separate_ref and trainer.reference_offload)}
-    est["host"] = sum(state.values()) * (1 - on_device) + est["host_reference"]
-    resident = est["weights"] + est["optimizer"] + est["reference"]
-    return est | {"needed": resident + max(est["gradients"], est["engine"])}
+    est["host_optimizer"] = est["optimizer"] * offload_optimizer     # while generating
+    est["host"] = sum(state.values()) * (1 - on_device) + est["host_reference"] + est["host_optimizer"]
+    moved = est["host_optimizer"]                                          # beside the gradients, not the engine
+    resident = est["weights"] + est["optimizer"] - moved + est["reference"]
+    return est | {"needed": resident + max(est["gradients"] + moved, est["engine"])}
 
 
 def check_fits(est: dict[str, float], available: float, where: str, host_available: float | None = None) -> None:
@@ -424,6 +436,9 @@ def check_fits(est: dict[str, float], available: float, where: str, host_availab
     if est["weights"] > 0:
         levers.append(f"cpu_offload=True (--offload) saves {g['weights'] + g['optimizer']:.1f} GiB of "
                       "weights and AdamW state (slower steps)")
+    if est["optimizer"] > 0 and not est["host_optimizer"]:
+        levers.append(f"offload_optimizer=True (--offload-optimizer on) keeps AdamW's {g['optimizer']:.1f} GiB on the "
+                      "host while generating")
     if est["reference"] > 0:
         levers.append(f"reference_offload=True (--reference-offload) or LoRA saves {g['reference']:.1f} GiB")
     levers.append("more GPUs (every trainer part is sharded), a shorter max_model_len, or a smaller model")

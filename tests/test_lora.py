@@ -103,6 +103,16 @@ def test_memory_estimate_by_hand_and_the_error(tiny_model):
     msg = str(e.value)
     assert f"needs at least {full['needed'] / GIB:.1f} GiB" in msg and "1.0 GiB is there" in msg
     assert "LoRA" in msg and "cpu_offload=True" in msg and "reference_offload=True" in msg
+    assert "offload_optimizer=True" in msg
+    # AdamW's state on the host while generating: it counts beside the gradients (the engine asleep),
+    # not beside the engine, and in the host's part; then it is no lever.
+    moved = estimate_memory(tiny_model, TrainerConfig(), max_model_len=128, offload_optimizer=True)
+    assert moved["host_optimizer"] == moved["host"] == 8 * n
+    assert moved["needed"] == 4 * n + max(4 * n + 8 * n, full["engine"])
+    assert full["needed"] == 4 * n + 8 * n + max(4 * n, full["engine"])
+    with pytest.raises(MemoryError) as e:
+        check_fits(moved | {"needed": 2.0 * GIB}, GIB, "an H200")
+    assert "offload_optimizer=True" not in str(e.value)
 
 
 def test_memory_estimate_counts_also_train_modules_as_trained(tiny_model):
