@@ -363,12 +363,12 @@ def check_before_loading(model: str, tc: TrainerConfig, max_model_len: int | Non
     import psutil
     dev = pick_device()
     ways = (False, True) if offload_optimizer is None else (offload_optimizer,)
+    host = psutil.virtual_memory().available / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     for i, off in enumerate(ways):
         est = estimate_memory(model, tc, world=int(os.environ.get("WORLD_SIZE", 1)), max_model_len=max_model_len,
                               offload_optimizer=off)
         try:
-            return check_fits(est, torch.cuda.mem_get_info(dev)[1], torch.cuda.get_device_name(dev),
-                              host_available=psutil.virtual_memory().available / int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+            return check_fits(est, torch.cuda.mem_get_info(dev)[1], torch.cuda.get_device_name(dev), host)
         except MemoryError:
             if i == len(ways) - 1:
                 raise
