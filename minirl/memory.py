@@ -26,7 +26,8 @@ plan.user_set), the rest planned. Decisions on measurements take the largest ove
    headroom free beside the trainer, and the host has 1.5x the state + 4 GiB.
 5. KV cache: the wanted size, cut to what is free beside the trainer's weights and state (asleep,
    less max(2 GiB, 3%)) or its step's peak (resident, less the headroom); under two max_model_len
-   sequences: MemoryError. Left alone when the user sized the engine.
+   sequences, or kv_cache_gib set and more than is free: MemoryError. Left alone when the user sized
+   the engine.
 6. When the engine first sleeps (beside_sleeping_engine): the step must fit beside it with the
    headroom; else every layer recomputes (a revised plan, applied again) or, set, MemoryError.
 Hardware: CPU or CUDA GPUs; trials run on CUDA only (the tests stand in for the device).
@@ -189,6 +190,12 @@ def _engine_fit(trainer: Trainer, n_params: int, fit: MemoryPlan, kw: dict, cfg,
             f"{2 * max_len * per_token / GIB:.2f} GiB (two {max_len}-token sequences), and {free / GIB:.1f} of "
             f"{total / GIB:.1f} GiB is free. Levers: {lever}a smaller micro_batch_tokens or "
             "activation_checkpointing=True, a shorter max_model_len, more GPUs, or a smaller model.")
+    if cfg.kv_cache_gib is not None and kv < want:      # a size the user set is kept, or refused
+        raise MemoryError(
+            f"kv_cache_gib={cfg.kv_cache_gib:g} does not fit on {torch.cuda.get_device_name(trainer.device)}: "
+            f"{kv / GIB:.1f} GiB is left for the KV cache beside the trainer and the engine's {engine / GIB:.1f} "
+            f"GiB. Levers: kv_cache_gib={math.floor(kv / GIB * 10) / 10:g} or less, or unset (what is left), "
+            + ("" if offload or fit.sleep_level == 0 else "offload_optimizer=True, ") + "more GPUs.")
     return replace(fit, kv_cache_bytes=int(kv), engine_kwargs={
         "kv_cache_memory_bytes": int(kv), "gpu_memory_utilization": round((engine + kv) / total + 0.005, 4)})
 

@@ -412,6 +412,21 @@ def test_the_memory_plan_sends_adamw_to_the_host_when_only_that_fits_the_engine(
         _stood_in_plan(monkeypatch, 8, 30, host_gib=host_gib, offload_optimizer=offload)
 
 
+@pytest.mark.parametrize("gib, offload, fits", [(50, None, True), (85, None, True), (85, False, False)])
+def test_a_kv_cache_size_set_is_kept_or_refused(monkeypatch, gib, offload, fits):
+    """kv_cache_gib on the stood-in device above (88 GiB free, asleep): 50 GiB fits; 85 GiB fits
+    once AdamW's state goes to the host; kept on the device, 79.04 GiB is left, and the size set is
+    refused (it was cut silently) with what is left and the levers."""
+    from minirl.memory import GIB
+    if fits:
+        _, kw, _, offloaded = _stood_in_plan(monkeypatch, 88, 1, kv_cache_gib=float(gib), offload_optimizer=offload)
+        assert kw["kv_cache_memory_bytes"] == gib * GIB and offloaded == (gib == 85)
+        return
+    with pytest.raises(MemoryError, match=r"kv_cache_gib=85 does not fit on a stood-in GPU: 79.0 GiB is left .* "
+                                          r"kv_cache_gib=79 or less, or unset \(what is left\), offload_optimizer=True"):
+        _stood_in_plan(monkeypatch, 88, 1, kv_cache_gib=float(gib), offload_optimizer=offload)
+
+
 def test_the_cpu_memory_check_counts_an_engine_per_rank_and_shares_the_host(monkeypatch):
     """On CPU each rank holds its shard of the fp32 weights, gradients and AdamW state (16 bytes a
     parameter over the ranks) beside an fp32 engine of its own (4 bytes a parameter, unsharded) and
