@@ -128,10 +128,12 @@ def _plan(trainer: Trainer, kw: dict, cfg) -> MemoryPlan:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))      # fp32 training state sharded, an engine a rank
         need = n_params * (16 / trainer.rank.world_size + 4) + kw.get("kv_cache_memory_bytes",
                                                                       vc.DEFAULT_CPU_KV_CACHE_BYTES)
-        if need > (avail := psutil.virtual_memory().available / local):
+        avail = psutil.virtual_memory().available / local
+        if (short := agreed_max(trainer, int(need - avail))) > 0:      # every rank decides alike
             raise MemoryError(f"the model does not fit in RAM: training + engine need ~{need / GIB:.1f} GiB a rank, "
-                              f"{avail / GIB:.1f} GiB is available to each of this host's {local} rank(s). Use a "
-                              "smaller model or more machines.")
+                              f"{avail / GIB:.1f} GiB is available to each of this host's {local} rank(s)"
+                              + (f" (another host lacks {short / GIB:.1f} GiB)" if need <= avail else "")
+                              + ". Use a smaller model or more machines.")
         return _as_loaded(trainer)
     user_sized = "gpu_memory_utilization" in kw or "kv_cache_memory_bytes" in kw
     level = 2 if cfg.sleep_level is None else cfg.sleep_level        # offload_optimizer with 0: refused before
@@ -179,6 +181,7 @@ def _engine_fit(trainer: Trainer, n_params: int, fit: MemoryPlan, kw: dict, cfg,
     fit, free = replace(fit, offload_optimizer=offload), free + offload * state
     kv = min(want, free - headroom - (fit.peak_bytes - fit.held_bytes) - engine if fit.sleep_level == 0
              else free - max(2 * GIB, 0.03 * total) - engine)   # resident: beside the peak, asleep: the weights
+    kv = -agreed_max(trainer, -int(kv))                          # the smallest over the ranks: they decide alike
     if kv < 2 * max_len * per_token:
         lever = ("sleep_level=2 (or leave it unset), " if fit.sleep_level == 0 else
                  "" if offload else "offload_optimizer=True (AdamW's state on the host while generating), ")

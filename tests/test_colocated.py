@@ -442,9 +442,17 @@ def test_the_cpu_memory_check_counts_an_engine_per_rank_and_shares_the_host(monk
     trainer = types.SimpleNamespace(model=model, rank=types.SimpleNamespace(world_size=2), device=torch.device("cpu"))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=16 * GIB))
+    agreed = []        # the ranks' largest shortfall (all_reduce MAX over a process group; here: this rank's)
+    monkeypatch.setattr(memory, "agreed_max", lambda trainer, v: agreed.append(v) or v)
     with pytest.raises(MemoryError, match=r"training \+ engine need ~11.4 GiB a rank, 8.0 GiB is available to each "
-                                          r"of this host's 2 rank\(s\)"):
+                                          r"of this host's 2 rank\(s\)\. Use"):
         memory.plan(trainer, {}, WeightManagerConfig())
+    # Enough here but not on another host: every rank refuses alike and says why.
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=32 * GIB))
+    monkeypatch.setattr(memory, "agreed_max", lambda trainer, v: agreed.append(v) or GIB)
+    with pytest.raises(MemoryError, match=r"16.0 GiB is available .* \(another host lacks 1.0 GiB\)"):
+        memory.plan(trainer, {}, WeightManagerConfig())
+    assert agreed[0] > 0 > agreed[1]
 
 
 planned: list = []   # the largest micro-batch each stood-in plan let measure_peak choose
