@@ -43,13 +43,13 @@ class RolloutQueueActor:
 
     def _once(self, key, call: str | None, attempt):
         """attempt, but a call made again with the same id (its caller saw the actor unavailable, and Ray
-        says it may have run: placement.call retries) gets that call's prompts or batches, not a second
-        lease or take. Also while the first is still waiting here."""
+        says it may have run: placement.call retries) gets that call's prompts, batches or count, not a
+        second lease, take or add. Also while the first is still waiting here."""
         def once():
             if call is not None and self._answers.get(key, (None,))[0] == call:
                 return self._answers[key][1]
             out = attempt()
-            if call is not None and isinstance(out, list) and out:
+            if call is not None and out is not ... and out is not None and out != []:
                 self._answers[key] = (call, out)
             return out
         return once
@@ -132,7 +132,12 @@ class RolloutQueueActor:
         return await self._until(lambda: True if self.hub.set_trainer_done() or self.hub.done_seen else ...,
                                  timeout_s) is True
 
-    add_prompts, close_prompts = _locked(RolloutHub.add_prompts), _locked(RolloutHub.close_prompts)
+    @guarded
+    async def add_prompts(self, items: list, *, skip_known: bool = False, call: str | None = None) -> int:
+        """RolloutHub.add_prompts. call: an id (_once): made again, the count, not a duplicate uid error."""
+        return await self._until(self._once("add", call, lambda: self.hub.add_prompts(items, skip_known=skip_known)), 0)
+
+    close_prompts = _locked(RolloutHub.close_prompts)
     set_max_staleness, set_version = _locked(RolloutHub.set_max_staleness), _locked(RolloutHub.set_version)
     release_worker, register_worker = _locked(RolloutHub.release_worker), _locked(RolloutHub.register_worker)
     unregister_worker = _locked(RolloutHub.unregister_worker)

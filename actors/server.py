@@ -15,6 +15,7 @@ generators again, the trainer what it trained: each prompt trains once. Hardware
 from __future__ import annotations
 
 import threading
+import uuid
 
 import ray
 
@@ -76,7 +77,8 @@ class RolloutServer:
         skips uids the queue already knows (after restore()). Returns how many were added."""
         from minirl.hub import prompt_items
         items = prompt_items(prompts, metadata, uids)
-        added = self._q(self.queue.add_prompts, items, skip_known=skip_known)
+        added = self._q(self.queue.add_prompts, items, skip_known=skip_known, call=uuid.uuid4().hex)   # made
+        # again: the same count (RolloutQueueActor._once)
         self._items += items
         if close:
             self._q(self.queue.close_prompts)

@@ -457,11 +457,14 @@ def test_a_replica_added_that_is_not_placed_in_time_is_removed():
 
 def test_a_take_made_again_with_its_call_id_gets_the_same_answer():
     """Ray may report a live actor unavailable after the call ran (placement.call then makes it again):
-    take_prompts and get with the call's id answer it as the first time, with no second lease or
+    add_prompts, take_prompts and get with the call's id answer it as the first time, with no second lease or
     take, also while the first still waits; a new id leases and takes anew."""
     n = name()
     q = create_queue(n, max_batches=8)
-    get(q.add_prompts.remote([PromptItem(uid=u, prompt="p") for u in range(6)]))
+    items = [PromptItem(uid=u, prompt="p") for u in range(6)]
+    assert get(q.add_prompts.remote(items, call="add-1")) == get(q.add_prompts.remote(items, call="add-1")) == 6
+    with pytest.raises(ray.exceptions.RayTaskError, match="duplicate prompt uid 0"):    # a new call: refused
+        get(q.add_prompts.remote(items, call="add-2"))
     first = get(q.take_prompts.remote("g", 2, call="lease-1"))
     assert [it.uid for it in get(q.take_prompts.remote("g", 2, call="lease-1"))] == [it.uid for it in first] == [0, 1]
     assert [it.uid for it in get(q.take_prompts.remote("g", 2, call="lease-2"))] == [2, 3]
