@@ -5,8 +5,9 @@
 
 The actor restarts after a crash (max_restarts=-1): __init__ registers with the queue again
 (which releases what the dead one had leased) and loads the trainer's latest weights from the
-object store before it generates, checked against the trainer's probe log-probs as every push is. A prompt whose request fails (too long, reward_fn raised or
-ran past reward_timeout_s) is never retried: it goes to the queue's fail_prompts with its cause.
+object store before it generates, checked against the trainer's probe log-probs as every push is.
+A prompt whose request fails (too long, reward_fn raised or ran past reward_timeout_s) is never
+retried: it goes to the queue's fail_prompts with its cause.
 `run` generates continuously (Generator.serve): each finished group is put as it finishes, and
 new prompts are leased whenever fewer than max_prompts are open. Weights arrive by
 `load_from_store` (object store; fetched first, then loaded) or `recv_broadcast` (collective

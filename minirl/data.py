@@ -371,6 +371,11 @@ def save_rollouts(path: str | os.PathLike, batches: Iterable[RolloutBatch]) -> P
     return path
 
 
+def _key(v):
+    """A uid as it was saved: JSON writes a tuple as a list, and a uid is hashable (never a list)."""
+    return tuple(_key(x) for x in v) if isinstance(v, list) else v
+
+
 def load_rollouts(path: str | os.PathLike, *, device=None) -> list[RolloutBatch]:
     """Read batches written by save_rollouts; floats round-trip exactly. A batch with fewer rollouts
     than were saved (a file cut short) raises ValueError rather than returning a short group."""
@@ -380,8 +385,8 @@ def load_rollouts(path: str | os.PathLike, *, device=None) -> list[RolloutBatch]
         for n, line in enumerate(f, 1):
             try:
                 d = json.loads(line)
-                bi, uid, sizes[bi] = d.pop("batch"), d.pop("batch_uid"), d.pop("batch_size", None)
-                r = Rollout(**d, device=str(device or "cpu"))
+                bi, uid, sizes[bi] = d.pop("batch"), _key(d.pop("batch_uid")), d.pop("batch_size", None)
+                r = Rollout(**d | {"uid": _key(d.get("uid"))}, device=str(device or "cpu"))
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 raise ValueError(f"{path}:{n}: not a rollout written by save_rollouts ({e})") from e
             batches.setdefault(bi, RolloutBatch([], uid=uid)).rollouts.append(r)

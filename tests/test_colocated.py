@@ -423,7 +423,8 @@ def test_a_kv_cache_size_set_is_kept_or_refused(monkeypatch, gib, offload, fits)
         assert kw["kv_cache_memory_bytes"] == gib * GIB and offloaded == (gib == 85)
         return
     with pytest.raises(MemoryError, match=r"kv_cache_gib=85 does not fit on a stood-in GPU: 79.0 GiB is left .* "
-                                          r"kv_cache_gib=79 or less, or unset \(what is left\), offload_optimizer=True"):
+                                          r"kv_cache_gib=79 or less, or unset \(what is left\), "
+                                          r"offload_optimizer=True"):
         _stood_in_plan(monkeypatch, 88, 1, kv_cache_gib=float(gib), offload_optimizer=offload)
 
 

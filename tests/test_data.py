@@ -170,12 +170,13 @@ def test_collate_aligns_with_get_logprobs(outputs, hf_model):
 
 def test_save_load_roundtrip_exact(outputs, tmp_path):
     outs, answers = outputs
-    batches = parse_vllm_outputs(outs, 4, get_task("succ").reward, metadata=answers, uids=list("abcdef"))
+    uids = list("abcde") + [("gsm8k", (3, "a"))]             # a tuple uid comes back a tuple (JSON: a list)
+    batches = parse_vllm_outputs(outs, 4, get_task("succ").reward, metadata=answers, uids=uids)
     for b in batches:
         b.compute_advantages()
     path = save_rollouts(tmp_path / "r.jsonl", batches)
     back = load_rollouts(path)
-    assert [b.uid for b in back] == list("abcdef")
+    assert [b.uid for b in back] == uids and back[5][0].uid == ("gsm8k", (3, "a"))
     for b0, b1 in zip(batches, back):
         for r0, r1 in zip(b0, b1):
             assert r0 == r1                                  # every field, floats bit-exact
