@@ -314,13 +314,14 @@ def policy_stats(logprobs: torch.Tensor, batch, logits: torch.Tensor, clip_low: 
                  entropy: bool) -> dict:
     """Per-token stats of a loss_fn against the sampler (batch.old_logprobs, batch.advantages):
     clip_frac, approx_kl (k3), ratio (pi_theta / pi_sampler) and, if `entropy`, entropy
-    (batch.entropy, the Trainer's, else entropy_from_logits(logits))."""
+    (batch.entropy, the Trainer's, else entropy_from_logits(logits) at batch.temperature)."""
     old, adv = batch.old_logprobs, batch.advantages                            # (n,), (n,)
     ratio = torch.exp(logprobs - old)
     stats = {"clip_frac": _clipped(ratio, adv, clip_low, clip_high).float(), "approx_kl": kl_k3(old, logprobs),
              "ratio": ratio}
     if entropy:
-        stats["entropy"] = batch.entropy if batch.entropy is not None else entropy_from_logits(logits)
+        stats["entropy"] = (batch.entropy if batch.entropy is not None
+                            else entropy_from_logits(logits, temperature=batch.temperature))
     return stats
 
 

@@ -289,6 +289,7 @@ class PackedBatch(_Tensors):
     rollouts: list
     ref_logprobs: torch.Tensor | None = None   # (n,) fp32, the reference policy's (Trainer sets it)
     entropy: torch.Tensor | None = None        # (n,) fp32, of each target's distribution (Trainer sets it)
+    temperature: float = 1.0                   # what the logits are divided by for the log-probs (Trainer sets it)
 
     @property
     def num_tokens(self) -> int:

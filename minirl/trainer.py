@@ -180,7 +180,7 @@ class Trainer:
                 if mb is None:
                     (logits.sum() * 0).backward()              # an empty pass: FSDP2 collectives match
                     continue
-                mb.ref_logprobs = ref                          # (n,) fp32 or None
+                mb.ref_logprobs, mb.temperature = ref, temperature      # (n,) fp32 or None
                 out = token_logprobs(logits, mb.targets, temperature=temperature, entropy=entropy,
                                      compile=self.compile)
                 lp, mb.entropy = out if entropy else (out, None)                   # (n,), (n,) or None

@@ -117,6 +117,10 @@ def test_logged_entropy_is_the_sampling_distributions(trainer):
     trainer.forward_backward(rs, lambda lp, mb, lg: (seen.append(mb.entropy) or lp, {}), entropy=False)
     trainer.model.zero_grad(set_to_none=True)
     assert seen and all(e is None for e in seen)
+    # Without the trainer's pass, ppo_loss_fn takes it from the logits at the same temperature (was: T = 1).
+    out = trainer.forward_backward(rs, ppo_loss_fn(), temperature=0.8, entropy=False)
+    trainer.model.zero_grad(set_to_none=True)
+    assert out["entropy"] == pytest.approx(want, abs=1e-5)
 
 
 def _step_both(a, b, g: torch.Generator) -> None:
