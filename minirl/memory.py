@@ -419,9 +419,14 @@ def estimate_memory(model: str, trainer: TrainerConfig, *, world: int = 1, max_m
         "host_reference": dsize * n / world * (separate_ref and trainer.reference_offload)}
     est["host_optimizer"] = est["optimizer"] * offload_optimizer     # while generating
     est["host"] = sum(state.values()) * (1 - on_device) + est["host_reference"] + est["host_optimizer"]
-    moved = est["host_optimizer"]                                          # beside the gradients, not the engine
-    resident = est["weights"] + est["optimizer"] - moved + est["reference"]
-    return est | {"needed": resident + max(est["gradients"] + moved, est["engine"])}
+    return est | {"needed": _needed(est)}
+
+
+def _needed(est: dict[str, float], trained: float = 1.0) -> float:
+    """estimate_memory's "needed", with `trained` times the gradients and AdamW state."""
+    moved = est["host_optimizer"] * trained                                # beside the gradients, not the engine
+    resident = est["weights"] + est["optimizer"] * trained - moved + est["reference"]
+    return resident + max(est["gradients"] * trained + moved, est["engine"])
 
 
 def check_fits(est: dict[str, float], available: float, where: str, host_available: float | None = None) -> None:
@@ -441,8 +446,8 @@ def check_fits(est: dict[str, float], available: float, where: str, host_availab
     parts = ", ".join(f"{k} {g[k]:.1f}" for k in ("weights", "gradients", "optimizer", "reference", "engine"))
     levers = []
     if est["trained_params"] == est["params"]:
-        levers.append(f"LoRA (TrainerConfig(lora=LoRAConfig()), launch --lora-rank 16) saves ~"
-                      f"{(g['gradients'] + g['optimizer']) * 0.98:.1f} GiB")
+        lora = _needed(est) - _needed(est | {"reference": 0.0}, 0.02)   # ~2% trained; the reference: adapters off
+        levers.append(f"LoRA (TrainerConfig(lora=LoRAConfig()), launch --lora-rank 16) saves ~{lora / GIB:.1f} GiB")
     if est["weights"] > 0:
         levers.append(f"cpu_offload=True (--offload) saves {g['weights'] + g['optimizer']:.1f} GiB of "
                       "weights and AdamW state (slower steps)")

@@ -104,6 +104,10 @@ def test_memory_estimate_by_hand_and_the_error(tiny_model):
     assert f"needs at least {full['needed'] / GIB:.1f} GiB" in msg and "1.0 GiB is there" in msg
     assert "LoRA" in msg and "cpu_offload=True" in msg and "reference_offload=True" in msg
     assert "offload_optimizer=True" in msg
+    # LoRA saves ~98% of AdamW's state and the reference; the gradients only where they, not the
+    # engine, are the larger while training (here the engine is: the 1 GiB reference and the state).
+    assert full["engine"] > full["gradients"]
+    assert f"launch --lora-rank 16) saves ~{(8 * n * 0.98 + GIB) / GIB:.1f} GiB" in msg
     # AdamW's state on the host while generating: it counts beside the gradients (the engine asleep),
     # not beside the engine, and in the host's part; then it is no lever.
     moved = estimate_memory(tiny_model, TrainerConfig(), max_model_len=128, offload_optimizer=True)
