@@ -61,6 +61,10 @@ class EpisodeConfig:
     """Python's collector threshold (youngest generation) while a session runs, restored after:
     full scans of every live object come that much less often. None leaves the collector as it is."""
 
+    def __post_init__(self):
+        if self.on_error not in ("raise", "record"):
+            raise ValueError(f"EpisodeConfig(on_error={self.on_error!r}): choose 'raise' or 'record'")
+
 
 def _is_async(fn) -> bool:
     """An async function, or an object whose __call__ is one."""
@@ -236,16 +240,19 @@ class Episode:
 
 def chat_delta(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
     """Token ids of `messages` as they continue a conversation whose last turn ended with EOS:
-    template(BASE + messages) minus template(BASE) cut after its last EOS, tokenized alone."""
+    template(BASE + messages) after BASE's n-th (last) EOS, tokenized alone. Earlier messages must render
+    as alone (the first) and as with one message after them (Qwen3 renders a last assistant turn apart)."""
     base = [{"role": "user", "content": "0"}, {"role": "assistant", "content": "0"}]
     render = lambda ms, gen: tokenizer.apply_chat_template(ms, tokenize=False, add_generation_prompt=gen)
-    head, full = render(base, False), render(base + list(messages), add_generation_prompt)
-    eos = tokenizer.eos_token or ""
-    cut = head.rfind(eos) + len(eos) if eos and eos in head else len(head)
-    if not full.startswith(head[:cut]):
+    eos, alone = tokenizer.eos_token or "", render(base, False)
+    n = alone.count(eos) if eos else 0
+    cut = lambda text: sum(len(p) + len(eos) for p in text.split(eos)[:n]) if 0 < n <= text.count(eos) else len(alone)
+    head = render(base + [{"role": "user", "content": "1"}], False)
+    full = render(base + list(messages), add_generation_prompt)
+    if full[:cut(full)] != head[:cut(head)] or not full.startswith(render(base[:1], False)):
         raise ValueError("the chat template renders earlier messages differently once new ones follow, so "
                          "incremental rendering cannot be exact: render these turns yourself and use ep.append")
-    return tokenizer.encode(full[cut:], add_special_tokens=False)
+    return tokenizer.encode(full[cut(full):], add_special_tokens=False)
 
 
 EpisodeFn = Callable[[Episode], Awaitable[float]]
@@ -301,9 +308,8 @@ class EpisodeRunner:
         self.tokenizer = tokenizer or llm.get_tokenizer()   # its chat template renders messages
         self.max_model_len = vc.max_model_len(llm)
         self.policy_version = 0        # set by the owner when it loads weights (between steps)
-        self.stats = {"steps": 0, "requests": 0, "admissions": 0, "episodes": 0, "errors": 0, "limits": 0,
-                      "abandoned_threads": 0, "yields": 0,
-                      "busy_s": 0.0, "idle_s": 0.0, "serve_s": 0.0}   # s in steps / with none in flight / sessions
+        self.stats = {"steps": 0, "requests": 0, "admissions": 0, "episodes": 0, "errors": 0, "limits": 0, "yields": 0,
+                      "abandoned_threads": 0, "busy_s": 0.0, "idle_s": 0.0, "serve_s": 0.0}   # in steps/idle/sessions
         self._ids = count()
         self._futures: dict[str, asyncio.Future] = {}   # requests in flight: those not _held are in the engine
         self._held: dict[str, tuple] = {}          # requests waiting to enter (admit_wait_steps)

@@ -70,6 +70,35 @@ def test_incremental_template_keeps_sampled_think_tokens():
         chat_delta(tok, [{"role": "user", "content": "x"}])
 
 
+# Qwen3's rule for the assistant turn after the last user message: the last one (or one with reasoning)
+# gets a think block, empty if it had none; followed by more messages, an empty one is rendered plain.
+QWEN3 = ("{% set ns = namespace(q=0) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.q = loop.index0 %}"
+         "{% endif %}{% endfor %}{% for m in messages %}{% if m.role == 'assistant' %}{% set c = m.content %}"
+         "{% set r = '' %}{% if '</think>' in c %}{% set r = c.split('</think>')[0].split('<think>')[-1] %}"
+         "{% set c = c.split('</think>')[-1] %}{% endif %}{% if loop.index0 > ns.q and (loop.last or r) %}"
+         "a:<think>{{ r }}</think>{{ c }}<eos>{% else %}a:{{ c }}<eos>{% endif %}"
+         "{% else %}{{ m.role[0] }}:{{ m.content }}<eos>{% endif %}{% endfor %}"
+         "{% if add_generation_prompt %}a:{% endif %}")
+
+
+@pytest.mark.parametrize("role", ["user", "tool"])
+def test_chat_delta_with_qwen3s_think_block_on_the_last_assistant_turn(role):
+    """The base conversation's assistant turn renders with an empty think block when it is last and
+    without one once a message follows: the delta is still only the new message (it raised)."""
+    tok = chat_tokenizer()
+    tok.chat_template = QWEN3
+    base = [{"role": "user", "content": "0"}, {"role": "assistant", "content": "0"}]
+    assert tok.apply_chat_template(base, tokenize=False) == "u:0<eos>a:<think></think>0<eos>"
+    assert tok.decode(chat_delta(tok, [{"role": role, "content": "7"}])) == f"{role[0]}:7<eos>a:"
+    alone = chat_delta(tok, [{"role": role, "content": "7"}], add_generation_prompt=False)
+    assert tok.decode(alone) == f"{role[0]}:7<eos>"
+
+
+def test_episode_config_refuses_an_unknown_on_error():
+    with pytest.raises(ValueError, match="on_error='stop'.*'raise'.*'record'"):
+        EpisodeConfig(on_error="stop")
+
+
 def test_tokens_exact_over_turns_with_chat_template(wm, monkeypatch):
     """Three turns from chat messages: the engine's (prompt, output) pairs are exactly the episodes'
     (context before the turn, the turn's ids): earlier turns' sampled ids are passed on, never
