@@ -509,13 +509,14 @@ def start_server(args, task):
     episode, sample = workload(task, args.env)           # --env: its episodes; else one turn, task.reward
     prompts, answers = sample(args.steps * args.prompts, seed=args.seed)
     t, n = time.time(), generators(args)
+    kw = {**llm_kwargs(args), "max_num_seqs": 256} | (args.engine_kwargs or {})     # 256 in flight, or as set
     say(f"starting: Ray, the rollout queue and {n}, each loading the model into vLLM")
     srv = RolloutServer(model_path(args), args.queue, reward_fn=task.reward, episode=episode if args.env else None,
                         num_generators=args.generators,
                         group_size=args.group_size, sampling={"max_tokens": args.max_tokens},
                         queue_size=args.prompts * (args.max_staleness + 1), resources=args.gen_resources,
-                        prompts_per_call=max(1, 256 // args.group_size),   # in flight: the engine's max_num_seqs
-                        seed=args.seed, llm_kwargs={**llm_kwargs(args), "max_num_seqs": 256})
+                        prompts_per_call=max(1, kw["max_num_seqs"] // args.group_size),   # the engine's sequences
+                        seed=args.seed, llm_kwargs=kw)
     say(f"ready: {n} in {time.time() - t:.0f} s")
     try:
         if args.resume:                  # prompts trained before the checkpoint never come back

@@ -117,6 +117,25 @@ def test_defaults_and_good_values_parse():
     assert (kw["attention_backend"], kw["max_num_seqs"], kw["max_model_len"]) == ("TRITON_ATTN", 8, 256)
 
 
+@pytest.mark.parametrize("engine_kwargs, seqs, per_call", [
+    ([], 256, 32), (["--engine-kwargs", '{"max_num_seqs": 32}'], 32, 4)])
+def test_the_async_generators_keep_a_max_num_seqs_given(monkeypatch, engine_kwargs, seqs, per_call):
+    """The async launch runs 256 sequences an engine unless --engine-kwargs sets max_num_seqs (it was
+    overwritten with 256), and leases as many prompts at a time as fill them (group size 8)."""
+    import actors.server
+    got = {}
+
+    def server(*a, **kw):
+        got.update(kw)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(actors.server, "RolloutServer", server)
+    monkeypatch.setattr(common, "model_path", lambda args: "model")
+    args = common.parse_args("doc", "runs/x", ["--role", "server", *engine_kwargs], async_loop=True)
+    with pytest.raises(KeyboardInterrupt):
+        common.start_server(args, common.make_task(args))
+    assert (got["llm_kwargs"]["max_num_seqs"], got["prompts_per_call"]) == (seqs, per_call)
+
+
 def test_eval_schedule():
     args = common.parse_args("doc", "runs/x", ["--steps", "7", "--eval-every", "3", "--eval-size", "4"])
     assert [s for s in range(1, 8) if common.eval_due(args, s)] == [3, 6, 7]
