@@ -42,10 +42,14 @@ class GeneratorPool:
         wid = f"gen-{uuid.uuid4().hex[:8]}"
         bundle = dict(resources or self.resources)
         pg = placement.create([bundle], strategy="STRICT_PACK", name=f"{self.name}-{wid}")
-        actor = GenerationActor.options(**placement.on_bundle(
-            pg, 0, num_cpus=bundle.get("CPU", 1), num_gpus=bundle.get("GPU", 0))).remote(
-            self.model, wid, self.name, self.namespace, {**self.gen_kwargs, "seed": self.seed + self._replicas},
-            self.timeout, getattr(self.queue, "token", None))
+        try:               # the actor takes what its bundle has (a GPU-only bundle: no CPU)
+            actor = GenerationActor.options(**placement.on_bundle(
+                pg, 0, num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0))).remote(
+                self.model, wid, self.name, self.namespace, {**self.gen_kwargs, "seed": self.seed + self._replicas},
+                self.timeout, getattr(self.queue, "token", None))
+        except BaseException:
+            placement.remove(pg)
+            raise
         self._replicas += 1
         self.generators[wid] = {"actor": actor, "pg": pg, "ready": False, "run": None,
                                 "info": actor.info.remote(), "retry_at": 0.0}

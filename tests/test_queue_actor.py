@@ -448,11 +448,12 @@ def test_a_replica_added_that_is_not_placed_in_time_is_removed():
     from actors.pool import GeneratorPool
     pool = GeneratorPool("model", None, "q-unplaced", "minirl", {}, resources={"CPU": 64}, call_timeout_s=T,
                          ready_timeout_s=1.0)
-    before = set(placement_group_table())
-    with pytest.raises(TimeoutError, match="still PENDING after 1.0 s"):
-        pool.add()
-    groups = {k: v["state"] for k, v in placement_group_table().items() if k not in before}
-    assert not pool.generators and list(groups.values()) == ["REMOVED"]
+    for resources in (None, {"GPU": 1}):     # a GPU-only bundle (here never placed): the actor asks no CPU of it
+        before = set(placement_group_table())
+        with pytest.raises(TimeoutError, match="still PENDING after 1.0 s"):
+            pool.add(resources)
+        groups = {k: v["state"] for k, v in placement_group_table().items() if k not in before}
+        assert not pool.generators and list(groups.values()) == ["REMOVED"]
 
 
 def test_a_take_made_again_with_its_call_id_gets_the_same_answer():
