@@ -143,6 +143,7 @@ class RolloutQueueActor:
     unregister_worker = _locked(RolloutHub.unregister_worker)
     restore = _locked(RolloutHub.restore)
     fail_prompts, failures = _locked(RolloutHub.fail_prompts), _locked(RolloutHub.failures)
+    stop_run = _locked(RolloutHub.stop_run)
     snapshot, weights = _locked(RolloutHub.snapshot), _locked(RolloutHub.weights)
     workers, finished = _locked(RolloutHub.workers), _locked(RolloutHub.finished)
     stats, check_model = _locked(RolloutHub.stats), _locked(RolloutHub.check_model)

@@ -14,6 +14,7 @@ generators again, the trainer what it trained: each prompt trains once. Hardware
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 
@@ -133,8 +134,10 @@ class RolloutServer:
     def _watch(self, timeout_s):
         try:
             self.pool.watch(timeout_s, self._rejoin)
-        except BaseException as e:    # surfaced by wait()
+        except BaseException as e:    # surfaced by wait(), and by the queue to the trainer (its get raises it)
             self._error = e
+            with contextlib.suppress(Exception):
+                self._q(self.queue.stop_run, f"the generation side stopped: {e}")
 
     def _rejoin(self, generators: dict) -> None:
         """The queue's actor restarted empty: its prompts, whether closed, the ready generators again,

@@ -576,8 +576,10 @@ def finish(worker, srv) -> None:
         say("the server side did not confirm the run's end within the sync timeout: is it still running?")
     worker.close()
     if srv is not None:
-        say("server:", served(srv.wait(trainer_done=True)))
-        srv.shutdown(remove_queue=True)
+        try:
+            say("server:", served(srv.wait(trainer_done=True)))
+        finally:                     # raised too: no queue actor or generator outlives the job
+            srv.shutdown(remove_queue=True)
 
 
 def served(stats: dict) -> str:

@@ -352,6 +352,10 @@ class RolloutHub:
                               "or build the RolloutServer with on_failure='skip' to record and skip it")
         return taken
 
+    def stop_run(self, cause: str) -> None:
+        """The generation side failed: the run stops with `cause` (take_batches raises it at once)."""
+        self.error = self.error or f"rollout queue {self.name}: {cause}"
+
     def failures(self) -> dict:     # uid -> cause of every prompt whose request failed
         return dict(self._failed)
 

@@ -127,6 +127,26 @@ def test_a_generators_put_to_a_full_queue_fails_with_the_queues_reason():
     ray.kill(q)
 
 
+def test_a_run_stopped_by_the_generation_side_wakes_a_waiting_get_with_its_cause():
+    """The server's pool failed (its last generator lost, say): the trainer's get, waiting for batches,
+    raises that cause at once (it waited its whole timeout, then asked whether generators run)."""
+    import types
+
+    from actors.server import RolloutServer
+    q = create_queue(name(), max_batches=4)
+    waiting = q.get.remote(2, 20.0)
+    fails = types.SimpleNamespace(watch=lambda *a: (_ for _ in ()).throw(RuntimeError("no generator is left")))
+    srv = types.SimpleNamespace(pool=fails, queue=q, _rejoin=None, _error=None,
+                                _q=lambda method, *args: get(method.remote(*args)))
+    t = time.monotonic()
+    RolloutServer._watch(srv, None)
+    with pytest.raises(ray.exceptions.RayTaskError, match="the generation side stopped: no generator is left"):
+        get(waiting)
+    assert time.monotonic() - t < 10 and isinstance(srv._error, RuntimeError)
+    assert get(q.finished.remote())
+    ray.kill(q)
+
+
 def test_get_timeout_names_the_queue():
     qn = name()
     q = create_queue(qn, max_batches=4, detached=False)
