@@ -47,20 +47,16 @@ class GeneratorPool:
                 pg, 0, num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0))).remote(
                 self.model, wid, self.name, self.namespace, {**self.gen_kwargs, "seed": self.seed + self._replicas},
                 self.timeout, getattr(self.queue, "token", None))
-        except BaseException:
+            self._replicas += 1
+            self.generators[wid] = {"actor": actor, "pg": pg, "ready": False, "run": None,
+                                    "info": actor.info.remote(), "retry_at": 0.0}
+            if wait:
+                self.wait_ready(wid)
+        except BaseException:    # not made, not placed in time, or its start failed: nothing left to start later
+            if (g := self.generators.pop(wid, None)) is not None:
+                ray.kill(g["actor"], no_restart=True)
             placement.remove(pg)
             raise
-        self._replicas += 1
-        self.generators[wid] = {"actor": actor, "pg": pg, "ready": False, "run": None,
-                                "info": actor.info.remote(), "retry_at": 0.0}
-        if wait:
-            try:
-                self.wait_ready(wid)
-            except BaseException:        # not placed in time, or its start failed: nothing left to start later
-                g = self.generators.pop(wid)
-                ray.kill(g["actor"], no_restart=True)
-                placement.remove(g["pg"])
-                raise
         return wid
 
     def wait_ready(self, wid: str) -> None:

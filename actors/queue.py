@@ -49,7 +49,7 @@ class RolloutQueueActor:
             if call is not None and self._answers.get(key, (None,))[0] == call:
                 return self._answers[key][1]
             out = attempt()
-            if call is not None and out is not ... and out is not None and out != []:
+            if call is not None and out not in (..., None, []):     # something taken or added
                 self._answers[key] = (call, out)
             return out
         return once
