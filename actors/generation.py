@@ -77,10 +77,10 @@ class GenerationActor:
 
     def run(self, max_prompts: int) -> dict:
         """Generate with max_prompts prompts in flight, putting each group as it finishes, until the
-        queue is finished (or stop() was called). Leases nothing while the engine's weights are too
-        stale (it loads newer ones from the object store, or waits for the next broadcast). Counts."""
+        queue is finished (or stop() was called, also before this run began: a stop is for good).
+        Leases nothing while the engine's weights are too stale (it loads newer ones from the object
+        store, or waits for the next broadcast). Counts."""
         stats, loads = {"prompts": 0, "tokens": 0, "stale_waits": 0}, dict(self.gen.stats)
-        self._stop.clear()
 
         def lease(k: int):
             items = self._call(self.queue.take_prompts, self.worker_id, k, self.gen.policy_version, 1.0,
@@ -105,7 +105,8 @@ class GenerationActor:
         return {**stats, **{k: v - loads[k] for k, v in self.gen.stats.items()}}   # this run's loads
 
     def stop(self) -> None:
-        """Drain: run() leases no more and returns once the open prompts are delivered."""
+        """Drain for good: run() leases no more and returns once the open prompts are delivered; a run
+        that starts after this (the pool's, sent before it saw the replica draining) returns at once."""
         self._stop.set()
 
     # -- weights -----------------------------------------------------------------------------

@@ -127,6 +127,23 @@ def test_a_generators_put_to_a_full_queue_fails_with_the_queues_reason():
     ray.kill(q)
 
 
+def test_a_stop_that_lands_before_its_run_still_drains_it():
+    """remove_generator's stop and the pool's run are sent from two threads to an actor that runs
+    calls concurrently: a stop that arrives first must still end the run (it waited its whole timeout)."""
+    import threading
+    from actors.generation import GenerationActor
+    seen = []
+
+    class Gen(_OneGroup):
+        def serve(self, lease, deliver, stop, **kw):
+            seen.append(stop.is_set())
+    gen = object.__new__(GenerationActor.__ray_metadata__.modified_class)     # no engine, no queue
+    gen.worker_id, gen.timeout, gen.queue, gen.gen, gen._stop = "w", 1.0, None, Gen(), threading.Event()
+    gen.stop()
+    gen.run(1)
+    assert seen == [True]
+
+
 def test_a_run_stopped_by_the_generation_side_wakes_a_waiting_get_with_its_cause():
     """The server's pool failed (its last generator lost, say): the trainer's get, waiting for batches,
     raises that cause at once (it waited its whole timeout, then asked whether generators run)."""
