@@ -31,6 +31,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import torch
 
+from minirl.chat import chat_delta, turn_end
 from minirl.data import Rollout, RolloutBatch, _check_reward, check_per_prompt
 from minirl.faults import bounded, in_thread
 
@@ -180,12 +181,14 @@ class Episode:
         return ids
 
     def add_messages(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
-        """Render only these new chat messages (chat_delta) and append them; if the context ends with a
-        sampled turn that did not end with EOS (cut by max_tokens, or another stop token), EOS comes first."""
+        """Render only these new chat messages (minirl.chat.chat_delta) and append them; if the context
+        ends with a sampled turn that did not end with the template's turn end (cut by max_tokens, or
+        another stop token), that token comes first."""
         tok = self.runner.tokenizer
         ids = chat_delta(tok, messages, add_generation_prompt=add_generation_prompt)
-        if self.loss_mask[-1] and tok.eos_token_id is not None and self.token_ids[-1] != tok.eos_token_id:
-            ids = [tok.eos_token_id] + ids
+        end = tok.convert_tokens_to_ids(e) if (e := turn_end(tok)) else None
+        if self.loss_mask[-1] and end is not None and self.token_ids[-1] != end:
+            ids = [end] + ids
         self.append(ids)
         return ids
 
@@ -236,23 +239,6 @@ class Episode:
             info={"turns": len(self.turns), "turn_versions": versions, "versions": span,
                   "turn_rewards": list(self.turn_rewards),
                   "turn_finish": [t.finish_reason for t in self.turns], **self.info})
-
-
-def chat_delta(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of `messages` as they continue a conversation whose last turn ended with EOS:
-    template(BASE + messages) after BASE's n-th (last) EOS, tokenized alone. Earlier messages must render
-    as alone (the first) and as with one message after them (Qwen3 renders a last assistant turn apart)."""
-    base = [{"role": "user", "content": "0"}, {"role": "assistant", "content": "0"}]
-    render = lambda ms, gen: tokenizer.apply_chat_template(ms, tokenize=False, add_generation_prompt=gen)
-    eos, alone = tokenizer.eos_token or "", render(base, False)
-    n = alone.count(eos) if eos else 0
-    cut = lambda text: sum(len(p) + len(eos) for p in text.split(eos)[:n]) if 0 < n <= text.count(eos) else len(alone)
-    head = render(base + [{"role": "user", "content": "1"}], False)
-    full = render(base + list(messages), add_generation_prompt)
-    if full[:cut(full)] != head[:cut(head)] or not full.startswith(render(base[:1], False)):
-        raise ValueError("the chat template renders earlier messages differently once new ones follow, so "
-                         "incremental rendering cannot be exact: render these turns yourself and use ep.append")
-    return tokenizer.encode(full[cut(full):], add_special_tokens=False)
 
 
 EpisodeFn = Callable[[Episode], Awaitable[float]]

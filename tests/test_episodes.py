@@ -7,12 +7,14 @@ limits, tool waits overlapped with generation. Needs: CPU only; the shared tiny 
 import asyncio
 import threading
 import time
+import types
 
 import pytest
 
 from minirl import episodes, vllm_compat as vc
+from minirl.chat import chat_delta, turn_end
 from minirl.data import collate
-from minirl.episodes import EpisodeConfig, EpisodeRunner, chat_delta, run_episodes, single_turn
+from minirl.episodes import Episode, EpisodeConfig, EpisodeRunner, run_episodes, single_turn
 from minirl.recipes.tiny import build_tokenizer
 
 # Qwen3's rule in small: an assistant turn before the last message loses its <think>...</think> part.
@@ -92,6 +94,30 @@ def test_chat_delta_with_qwen3s_think_block_on_the_last_assistant_turn(role):
     assert tok.decode(chat_delta(tok, [{"role": role, "content": "7"}])) == f"{role[0]}:7<eos>a:"
     alone = chat_delta(tok, [{"role": role, "content": "7"}], add_generation_prompt=False)
     assert tok.decode(alone) == f"{role[0]}:7<eos>"
+
+
+# Gemma's shape: turns close with <end_of_turn> and a separator, while eos_token is <eos> (" " stands for "\n")
+GEMMA = ("{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }} {{ m.content }}"
+         "<end_of_turn> {% endfor %}{% if add_generation_prompt %}<start_of_turn>model {% endif %}")
+
+
+def test_add_messages_continues_a_turn_closed_with_the_templates_own_end_token():
+    """The trajectory after a sampled turn (ended by <end_of_turn>, the engine's stop) and a new message is
+    what the template renders for the whole chat: it had <eos> put first and the separator dropped; a turn
+    cut by max_tokens gets <end_of_turn>, not <eos>."""
+    tok = build_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    tok.chat_template = GEMMA
+    assert turn_end(tok) == "<end_of_turn>" and turn_end(chat_tokenizer()) == "<eos>"
+    chat = [{"role": "user", "content": "1+7="}]
+    ep = Episode(types.SimpleNamespace(tokenizer=tok), "1+7=", None, 0, 0,
+                 tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=False), None)
+    for sampled, closed in [("8<end_of_turn>", "8"), ("9", "9")]:        # ended its turn, cut by max_tokens
+        ids = tok.encode(sampled, add_special_tokens=False)
+        ep.token_ids, ep.loss_mask = ep.token_ids + ids, ep.loss_mask + [1] * len(ids)
+        ep.add_messages([{"role": "user", "content": "no"}])
+        chat += [{"role": "assistant", "content": closed}, {"role": "user", "content": "no"}]
+        assert tok.decode(ep.token_ids) == tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
 
 
 def test_episode_config_refuses_an_unknown_on_error():
