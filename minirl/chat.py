@@ -18,12 +18,12 @@ def _render(tokenizer, messages: list[dict], generation: bool) -> str:
 
 
 def turn_end(tokenizer) -> str:
-    """The special token the chat template closes an assistant turn with: the one right after the
-    turn's content (Gemma's <end_of_turn>, whose eos_token is <eos>; Llama 3's <|eot_id|>), else eos_token."""
+    """The special token the chat template closes an assistant turn with: the first after the turn's
+    content (Gemma's <end_of_turn>, whose eos_token is <eos>; Llama 3's <|eot_id|>), else eos_token."""
     alone = _render(tokenizer, BASE, False)
-    ids = tokenizer.encode(alone[alone.rfind("0") + 1:], add_special_tokens=False)
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    return tokenizer.convert_ids_to_tokens(ids[0]) if ids and ids[0] in special else tokenizer.eos_token or ""
+    ids = [i for i in tokenizer.encode(alone[alone.rfind("0") + 1:], add_special_tokens=False) if i in special]
+    return tokenizer.convert_ids_to_tokens(ids[0]) if ids else tokenizer.eos_token or ""
 
 
 def chat_delta(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
