@@ -34,6 +34,7 @@ class GeneratorPool:
         self.stats = {"prompts": 0, "tokens": 0, "failures": 0, "failed_starts": 0, "lost_runs": 0,
                       "stale_waits": 0, "loads": 0, "load_s": 0.0, "loads_in_flight": 0, "busy_s": 0.0, "serve_s": 0.0}
         self.stopped = False                    # stop(): watch() returns
+        self.failed, self.error = {}, None      # the queue's failures and error as last seen: a rejoin's
 
     def add(self, resources: dict | None = None, *, wait: bool = True) -> str:
         """One more replica in its own placement group (pending until the cluster can place it);
@@ -99,6 +100,9 @@ class GeneratorPool:
             if not ray.is_initialized():          # the driver shut Ray down: never auto-start another
                 raise RuntimeError("rollout server: Ray was shut down while the pool ran")
             q = placement.call(self.queue.stats, timeout_s=self.timeout, what="rollout queue")
+            if q["failed"] > len(self.failed):    # kept for a restarted queue, which lost them
+                self.failed = placement.call(self.queue.failures, timeout_s=self.timeout, what="rollout queue")
+            self.error = q["error"] or self.error
             if "server" in q["awaiting"] and rejoin is not None:
                 try:
                     rejoin({w: g["actor"] for w, g in list(self.generators.items()) if g["ready"]})

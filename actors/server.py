@@ -141,7 +141,8 @@ class RolloutServer:
 
     def _rejoin(self, generators: dict) -> None:
         """The queue's actor restarted empty: its prompts, whether closed, the ready generators again,
-        and the versions they hold (a restored trainer publishes above them)."""
+        the versions they hold (a restored trainer publishes above them), and the failures and error
+        the pool saw."""
         infos = {a.info.remote(): w for w, a in generators.items()}
         answered, _ = ray.wait(list(infos), num_returns=len(infos), timeout=min(self.timeout, 60.0))
         versions = []
@@ -150,7 +151,8 @@ class RolloutServer:
                 versions.append(ray.get(ref)["version"])
             except ray.exceptions.RayError:      # died meanwhile: restarting, it says its version itself
                 pass
-        self._q(self.queue.rejoin_server, self._items, self._closed, generators, versions)
+        self._q(self.queue.rejoin_server, self._items, self._closed, generators, versions, self.pool.failed,
+                self.pool.error)
 
     def evaluate(self, prompts: list, answers: list, reward_fn, **eval_kwargs) -> dict:
         """eval/... metrics (minirl.evaluation.evaluate) of one generator's current weights, and their version."""

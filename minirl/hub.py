@@ -131,19 +131,17 @@ class RolloutHub:
         self._orphaned: list[tuple[int, int]] = []       # (lo, hi]: versions of a trainer that died
         self._closed = self.trainer_done = self.done_seen = False
         self._recycled_stale = self._duplicates = self._version = self._rolled_back = self._top_version = 0
-        self._weights: Any = None
-        self._workers: dict[str, Any] = {}
+        self._weights, self._workers = None, {}      # the trainer's weights handle; worker_id -> handle
         self.max_staleness: int | None = None   # set by the trainer; see take_prompts, take_batches
         self.batch_size: int | None = None      # prompts per trainer step, set with max_staleness
         self.admission = admission              # False: the old rule (lease while fresh, recycle late)
         self._deadline: dict[Any, int] = {}     # leased uid -> generator's version at lease + S
         self._order: dict[Any, int] = {}        # leased uid -> lease number (ties: older first)
         self._lease_no = itertools.count()      # the next lease number
-        self._taken = (0, 0)                    # (version, prompts delivered at it): step `version`'s share
-        self._waited: set = set()               # open uids take_batches waited for (rule b)
+        self._taken, self._waited = (0, 0), set()   # (version, prompts delivered at it); uids take_batches waited for
         self._starved: dict[str, float] = {}    # worker_id -> since when take_prompts refused it (stale weights)
         self.restarted = restarted                 # rebuilt after its actor died: empty until both rejoin
-        self.awaiting = {"server", "trainer"} if restarted else set()
+        self.awaiting: set[str] = {"server", "trainer"} if restarted else set()
 
     def _known(self, uid) -> bool:     # pending, leased, buffered, delivered or failed
         return uid in self._items or uid in self._delivered or uid in self._failed
@@ -174,7 +172,9 @@ class RolloutHub:
         return len(items)
 
     def snapshot(self) -> dict:
-        """For a checkpoint: buffered batches with their prompts, the pending and leased prompts, the failed uids."""
+        """For a checkpoint: buffered batches with their prompts, the pending, leased and failed; after a rebuild,
+        QueueRestarted until the trainer rejoined (rolling its trained uids back)."""
+        self._check_trainer_joined()
         return {"buffered": [(replace(self._items[u]), b) for u, b in self._buffer.items()],
                 "in_flight": [replace(self._items[u]) for u in self._leases],
                 "pending": [replace(self._items[u]) for u in self._pending], "failed": dict(self._failed)}
@@ -389,10 +389,13 @@ class RolloutHub:
         self._version = self._top_version = max(version, self._top_version)
         return self._version
 
-    def rejoin_server(self, items: list[PromptItem], closed: bool, workers: dict, versions: list = ()) -> int:
-        """After a restart: the server's prompts (known uids skipped), whether it closed them, its
-        generators {worker_id: handle} and their weight versions. Returns how many were added."""
+    def rejoin_server(self, items: list[PromptItem], closed: bool, workers: dict, versions: list = (),
+                      failed: dict | None = None, error: str | None = None) -> int:
+        """After a restart: the server's prompts (known uids skipped), whether it closed them, its generators
+        {worker_id: handle}, their versions, the failures {uid: cause} and error it saw. How many were added."""
         self._saw(max(versions, default=None))
+        self._failed.update((u, c) for u, c in (failed or {}).items() if u not in self._delivered)
+        self.error = self.error or error
         added = self.add_prompts(items, skip_known=True) if not self._closed else 0
         self._closed = self._closed or closed
         for wid, handle in workers.items():

@@ -505,6 +505,23 @@ def test_rebuilt_hub_drops_a_trained_batch_put_before_the_trainer_rejoins():
     assert uids(hub.take_batches(1)) == [2] and hub.stats()["delivered"] == 3 and hub.finished()
 
 
+def test_rebuilt_hub_keeps_the_failures_and_the_error_the_server_saw_and_snapshots_after_the_trainer():
+    """A failed prompt is never issued again, also after the queue's actor restarted empty (it was leased
+    again and left failures()); the run's error survives; a checkpoint's snapshot waits for the trainer's
+    rejoin (it held the trainer's trained uids as pending and no failures)."""
+    from minirl.hub import QueueRestarted
+    hub = RolloutHub(max_batches=4, restarted=True)
+    hub.rejoin_server(prompts(range(4)), True, {}, failed={1: "reward_fn raised"})
+    with pytest.raises(QueueRestarted):
+        hub.snapshot()
+    hub.rejoin_trainer([0], 2, None)
+    assert hub.snapshot()["failed"] == hub.failures() == {1: "reward_fn raised"}
+    assert uids(hub.take_prompts("a", 4, version=2)) == [2, 3]
+    stopped = RolloutHub(max_batches=4, restarted=True)
+    stopped.rejoin_server(prompts(range(4)), True, {}, error="uid 3 failed")
+    assert stopped.finished() and stopped.stats()["error"] == "uid 3 failed"
+
+
 # ----------------------------------------------------------------------------------------------
 # Staleness by admission: a timed simulation of generators and a trainer around one hub
 

@@ -335,7 +335,7 @@ class _AwaitingServer:
         self.joined = False
 
     def stats(self):
-        return {"awaiting": [] if self.joined else ["server"], "finished": self.joined}
+        return {"awaiting": [] if self.joined else ["server"], "finished": self.joined, "failed": 0, "error": None}
 
     def rejoin(self):
         self.joined = True
@@ -422,7 +422,7 @@ class _DiesOnce:
 @ray.remote(num_cpus=0)
 class _Queue:
     def stats(self):
-        return {"awaiting": [], "finished": False}
+        return {"awaiting": [], "finished": False, "failed": 0, "error": None}
 
     def release_worker(self, wid):
         return 0
