@@ -118,7 +118,7 @@ class TrainWorker:
     def save_checkpoint(self, ckpt, step: int, *, state: dict | None = None, export_hf: bool = False):
         """Trainer state, the prompts trained so far and what the queue holds. Call right after
         sync_weights() at the end of a step. Collective."""
-        queue = self._q(self.queue.snapshot) if self.rank.rank == 0 else {}
+        queue = on_rank0(lambda: self._q(self.queue.snapshot), self.rank, "snapshot the queue", share=False) or {}
         objects = {"queue": queue, "trained_uids": list(self.trained_uids)}     # uids as they are (a tuple stays one)
         return self.trainer.save_checkpoint(ckpt, step, state=state, objects=objects, export_hf=export_hf)
 

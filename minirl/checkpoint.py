@@ -117,10 +117,10 @@ def _state_json(meta: dict) -> str:
 def _objects_blob(objects: dict) -> bytes:
     """objects.pt's bytes, refused now if loading would refuse them later."""
     buf = io.BytesIO()
-    torch.save(objects, buf)
     try:
+        torch.save(objects, buf)          # a lambda, a lock: AttributeError, TypeError, PicklingError
         _safe_load(buf.getvalue())
-    except pickle.UnpicklingError as e:
+    except Exception as e:
         allowed = ", ".join(t.__name__ for t in _SAFE_TYPES)
         raise CheckpointError(f"cannot checkpoint these objects ({_why(e)}): keep them to dicts, lists, str, "
                               f"numbers, tensors and {allowed}") from None

@@ -199,6 +199,8 @@ def test_checksums_rng_json_and_no_code_from_a_checkpoint(tmp_path):
 
     with pytest.raises(CheckpointError, match="cannot checkpoint these objects"):
         ckpt.save(2, model, opt, objects={"x": _Payload(marker)})
+    with pytest.raises(CheckpointError, match="cannot checkpoint these objects.*lambda"):   # not pickled at all
+        ckpt.save(2, model, opt, objects={"x": lambda: 0})
     assert not marker.exists() and not list((tmp_path / "ck").glob("*step_00000002"))   # nothing written
     (path / "MANIFEST.json").write_text(json.dumps({"objects.pt": 10}))     # an old size-only manifest
     with pytest.raises(CheckpointError, match="no content checksums"):
