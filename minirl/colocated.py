@@ -35,8 +35,8 @@ class WeightManagerConfig:
     """vLLM while the trainer trains (CUDA): 2 = asleep, weights and KV cache discarded; 0 = resident
     (the KV cache then has to fit beside the trainer's peak). None: 2 (benchmarks/results/2026-12-03)."""
     kv_cache_gib: float | None = None
-    """The engine's KV cache on CUDA, MemoryError where it does not fit; None: max_num_seqs x max_model_len
-    tokens, or what is left."""
+    """The engine's KV cache: on CUDA MemoryError where it does not fit (None: max_num_seqs x max_model_len
+    tokens, or what is left); on CPU counted in the RAM check (None: vllm_compat.DEFAULT_CPU_KV_CACHE_BYTES)."""
     offload_optimizer: bool | None = None
     """AdamW's state on the host while the engine generates (CUDA, sleep level 2; Trainer.optimizer_to_host).
     None: where only that lets the KV cache wanted fit (minirl.memory)."""

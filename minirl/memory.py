@@ -6,7 +6,8 @@
 Applied once: the trainer's part by Trainer.apply, the engine's as vllm.LLM kwargs, AdamW's place
 by the WeightManager. The user's configs are never rewritten: what the user set is kept (named in
 plan.user_set), the rest planned. Decisions on measurements take the largest over the ranks
-(agreed_max), so their collectives stay in step. In order (CUDA; on CPU nothing is measured):
+(agreed_max), so their collectives stay in step. On CPU nothing is measured: training state and
+engine (kv_cache_gib, as the engine's kv_cache_memory_bytes) must fit the RAM. In order on CUDA:
 1. Before loading (check_before_loading): the trainer's weights, gradients, AdamW state and
    reference and the engine with two max_model_len sequences of KV cache must fit; else MemoryError.
 2. Sleep level 2 unless set; set, with the engine sized by the user (gpu_memory_utilization,
@@ -126,15 +127,16 @@ def _plan(trainer: Trainer, kw: dict, cfg) -> MemoryPlan:
     if trainer.device.type != "cuda":
         import psutil
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))      # fp32 training state sharded, an engine a rank
-        need = n_params * (16 / trainer.rank.world_size + 4) + kw.get("kv_cache_memory_bytes",
-                                                                      vc.DEFAULT_CPU_KV_CACHE_BYTES)
+        kv = (kw.get("kv_cache_memory_bytes", vc.DEFAULT_CPU_KV_CACHE_BYTES) if cfg.kv_cache_gib is None
+              else int(cfg.kv_cache_gib * GIB))
+        need = n_params * (16 / trainer.rank.world_size + 4) + kv
         avail = psutil.virtual_memory().available / local
         if (short := agreed_max(trainer, int(need - avail))) > 0:      # every rank decides alike
             raise MemoryError(f"the model does not fit in RAM: training + engine need ~{need / GIB:.1f} GiB a rank, "
                               f"{avail / GIB:.1f} GiB is available to each of this host's {local} rank(s)"
                               + (f" (another host lacks {short / GIB:.1f} GiB)" if need <= avail else "")
                               + ". Use a smaller model or more machines.")
-        return _as_loaded(trainer)
+        return replace(_as_loaded(trainer), engine_kwargs={"kv_cache_memory_bytes": kv} if cfg.kv_cache_gib else {})
     user_sized = "gpu_memory_utilization" in kw or "kv_cache_memory_bytes" in kw
     level = 2 if cfg.sleep_level is None else cfg.sleep_level        # offload_optimizer with 0: refused before
     if cfg.sleep_level is not None and user_sized:

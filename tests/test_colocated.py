@@ -454,6 +454,14 @@ def test_the_cpu_memory_check_counts_an_engine_per_rank_and_shares_the_host(monk
     with pytest.raises(MemoryError, match=r"16.0 GiB is available .* \(another host lacks 1.0 GiB\)"):
         memory.plan(trainer, {}, WeightManagerConfig())
     assert agreed[0] > 0 > agreed[1]
+    # kv_cache_gib counts and reaches the engine (it was ignored on CPU: the 256 MiB default)
+    monkeypatch.setattr(memory, "agreed_max", lambda trainer, v: v)
+    with pytest.raises(MemoryError, match=r"need ~19.2 GiB a rank, 16.0 GiB is available"):
+        memory.plan(trainer, {}, WeightManagerConfig(kv_cache_gib=8))
+    trainer.config, trainer.micro_batch_tokens = TrainerConfig(), 16384
+    trainer.recomputed_layers, trainer.memory_budget = 0, 1.0
+    plan = memory.plan(trainer, {}, WeightManagerConfig(kv_cache_gib=4))
+    assert plan.engine_kwargs == {"kv_cache_memory_bytes": 4 * GIB}
 
 
 planned: list = []   # the largest micro-batch each stood-in plan let measure_peak choose
