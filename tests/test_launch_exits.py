@@ -61,6 +61,9 @@ MISTAKES = {   # case: (flags, the line printed, set-up)
                    lambda run: _checkpoint(run, 4)),
     "earlier run": (["--save-every", "2"], "error: {tmp}/run/checkpoints holds an earlier run's checkpoint (step 4): "
                     "pass --resume to continue it, or another --run-dir to start afresh", lambda run: _checkpoint(run, 4)),
+    "earlier run, not saving": ([], "error: {tmp}/run/checkpoints holds an earlier run's checkpoint (step 4): pass "
+                                "--resume to continue it, or another --run-dir to start afresh",
+                                lambda run: _checkpoint(run, 4)),   # its args.json, which --resume reads, kept
 }
 
 

@@ -312,15 +312,17 @@ def test_gsm8k_run_logs_evaluation(tmp_path):
 def test_async_run_evaluates_on_a_generator(tmp_path):
     """launch/async.py with --eval-every: the trainer evaluates on a generator before step 1 (the
     starting weights, version 0) and after its syncs, and logs which policy version it judged (the one
-    it had just pushed)."""
+    it had just pushed). Every prompt is generated once: the generators start after the trainer gave
+    the queue its staleness bound (before, they leased all at version 0 and step 3 recycled them)."""
     run = tmp_path / "run"
-    p = run_py(["launch/async.py", "--run-dir", str(run), "--backends", "", "--task", "add", "--steps", "2",
-                "--prompts", "4", "--group-size", "2", "--eval-size", "4", "--eval-every", "1",
+    p = run_py(["launch/async.py", "--run-dir", str(run), "--backends", "", "--task", "add", "--steps", "3",
+                "--prompts", "8", "--eval-size", "4", "--eval-every", "1",
                 "--eval-samples", "2", "--eval-k", "2", "--queue", f"q-{tmp_path.name}"], timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in recs if "eval/pass@1" in r]
-    assert [r["step"] for r in evals] == [0, 1, 2] and [r["eval/policy_version"] for r in evals] == [0, 1, 2]
+    assert [r["step"] for r in evals] == [0, 1, 2, 3] and [r["eval/policy_version"] for r in evals] == [0, 1, 2, 3]
+    assert "server: 24 prompts, " in p.stdout, p.stdout[-2000:]            # 3 steps x 8 prompts, none again
     assert all(r["eval/prompts"] == 4 and 0 <= r["eval/pass@2"] <= 1 for r in evals)
     assert all("async/staleness_0" in r for r in recs if "loss" in r)
 
