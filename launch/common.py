@@ -239,6 +239,11 @@ def colocated_problem(args) -> str | None:
     if args.eval_every and args.eval_size < ranks:
         return (f"--eval-size {args.eval_size} gives some of the {ranks} ranks no held-out rows: "
                 f"set --eval-size >= {ranks}")
+    if args.offload_optimizer == "on" and args.sleep_level == 0:
+        return ("--offload-optimizer on with --sleep-level 0: a resident engine keeps its KV cache while the "
+                "trainer steps, so AdamW's state has to stay; drop one of them")
+    if args.kv_cache_gib is not None and args.gpu_memory_utilization is not None:
+        return "--kv-cache-gib and --gpu-memory-utilization both size the engine's KV cache: give one of them"
     return None
 
 
@@ -280,6 +285,13 @@ def check_args(args) -> str | None:
               f"--eval-every evaluates one turn of --task's held-out rows, not --env {args.env}'s episodes: "
               "drop --eval-every (or --env)"),
              (args.eval_every > 0 and args.eval_size == 0, "--eval-every needs held-out rows: set --eval-size N"),
+             (args.activation_memory_budget is not None and args.compile is False,
+              "--activation-memory-budget is torch.compile's (its partitioner decides what backward recomputes): "
+              "drop --no-compile (or the budget)"),
+             (bool(args.model) and args.model.startswith((".", "/", "~")) and getattr(args, "role", "") != "server"
+              and not (Path(args.model).expanduser() / "config.json").exists(),
+              f"--model {args.model}: no model directory there (config.json, weights, tokenizer): pass a "
+              "Hugging Face model directory or a hub name 'org/name'"),
              (args.max_tokens >= args.max_model_len,
               f"--max-tokens {args.max_tokens} must be < --max-model-len {args.max_model_len} (the prompt needs room)"))
     return next((msg for bad, msg in rules if bad), None)

@@ -61,6 +61,18 @@ MISTAKES = {   # case: (flags, the line printed, set-up)
                    lambda run: _checkpoint(run, 4)),
     "earlier run": (["--save-every", "2"], "error: {tmp}/run/checkpoints holds an earlier run's checkpoint (step 4): "
                     "pass --resume to continue it, or another --run-dir to start afresh", lambda run: _checkpoint(run, 4)),
+    "offload beside a resident engine": (["--offload-optimizer", "on", "--sleep-level", "0"],
+                                         "error: --offload-optimizer on with --sleep-level 0: a resident engine keeps "
+                                         "its KV cache while the trainer steps, so AdamW's state has to stay; drop one "
+                                         "of them", None),
+    "KV cache sized twice": (["--kv-cache-gib", "2", "--gpu-memory-utilization", "0.5"], "error: --kv-cache-gib and "
+                             "--gpu-memory-utilization both size the engine's KV cache: give one of them", None),
+    "budget without compile": (["--activation-memory-budget", "0.5", "--no-compile"], "error: "
+                               "--activation-memory-budget is torch.compile's (its partitioner decides what backward "
+                               "recomputes): drop --no-compile (or the budget)", None),
+    "model path": (["--model", "{tmp}/no-model"], "error: --model {tmp}/no-model: no model directory there "
+                   "(config.json, weights, tokenizer): pass a Hugging Face model directory or a hub name 'org/name'",
+                   None),
     "earlier run, not saving": ([], "error: {tmp}/run/checkpoints holds an earlier run's checkpoint (step 4): pass "
                                 "--resume to continue it, or another --run-dir to start afresh",
                                 lambda run: _checkpoint(run, 4)),   # its args.json, which --resume reads, kept
