@@ -1,8 +1,9 @@
 """Async GRPO: generators fill a named Ray queue while the trainer trains; weights flow back.
 
     python launch/async.py                              # tiny local model, CPU, local Ray: both roles
-    ray job submit --working-dir . -- python launch/async.py --role server    # two jobs meeting by the queue's
-    ray job submit --working-dir . -- python launch/async.py --role trainer   # name, one MINIRL_QUEUE_TOKEN
+    ray job submit --no-wait --working-dir . --runtime-env-json "$ENV" -- python launch/async.py --role server
+    ray job submit --working-dir . --runtime-env-json "$ENV" -- python launch/async.py --role trainer
+                         # two jobs meeting by the queue's name (--queue), ENV carrying one MINIRL_QUEUE_TOKEN
 
 The training block and the command line are launch/common.py's, shared by both loops: only
 where rollouts come from differs (`diff launch/colocated.py launch/async.py`). Default: a tiny

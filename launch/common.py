@@ -90,15 +90,15 @@ def _step_flags(p):
 
 def _trainer_flags(p):
     add = p.add_argument_group("the trainer's memory and speed").add_argument
-    add("--micro-batch-tokens", type=int, default=None, help="tokens per packed micro-batch (default: planned on "
-        "CUDA, the largest of 32,768 / 16,384 / 8,192 that fits without recomputing layers, at activation "
-        "memory budget 1 or else 0.6; 4,096 on CPU)")
+    add("--micro-batch-tokens", type=int, default=None, help="tokens per packed micro-batch (default: co-located "
+        "on CUDA planned, the largest of 32,768 / 16,384 / 8,192 that fits without recomputing layers, at "
+        "activation memory budget 1 or else 0.6; the async trainer on CUDA 16,384; 4,096 on CPU)")
     add("--activation-checkpointing", nargs="?", type=int, const=True, default=None, metavar="LAYERS",
         help="recompute decoder layers' activations in backward: every layer, or LAYERS of them "
-             "(default: the memory plan decides, CUDA)")
+             "(default: co-located on CUDA the memory plan decides; none elsewhere)")
     add("--activation-memory-budget", type=float, default=None, metavar="B",
         help="torch.compile's activation memory budget in (0, 1]: lower recomputes more in backward "
-             "(default: the memory plan decides, CUDA; 1 elsewhere)")
+             "(default: co-located on CUDA the memory plan decides; 1 elsewhere)")
     add("--compile", default=None, action=argparse.BooleanOptionalAction,
         help="torch.compile the trainer's decoder layers (default: on CUDA)")
     add("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full fine-tuning)")
