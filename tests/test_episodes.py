@@ -595,6 +595,14 @@ def test_min_tokens_is_cut_to_the_room_left_as_max_tokens_is(wm):
     assert r.info["turns"] == 2 and sum(r.loss_mask) == 6 and r.loss_mask[-2:] == [1, 1]
 
 
+@pytest.mark.parametrize("name", ["lookup", "feedback"])
+def test_an_environments_prompts_and_answers_keep_their_prefix_in_a_longer_draw(name):
+    """A resume with a larger --steps draws more prompts: the first ones keep their answers (lookup's moved)."""
+    from minirl.recipes.envs import ENVS
+    short, longer = ENVS[name].sample(8, seed=0), ENVS[name].sample(12, seed=0)
+    assert [p[:8] for p in longer] == list(map(list, short))
+
+
 @pytest.mark.slow
 def test_tool_environment_learns_and_noise_does_not(tmp_path):
     """launch/colocated.py --env lookup: the answer's digit is only in the tool's tokens, and the reward

@@ -33,8 +33,11 @@ class LookupEnv:
     """Per tool call; a timed-out call is an episode error (EpisodeConfig.on_error decides)."""
 
     def sample(self, n: int, seed: int) -> tuple[list[str], list[int]]:
+        """n (key, value) pairs drawn one after another: the first n of a longer run are these (a resume
+        with a larger --steps keeps every prompt's value)."""
         rng = random.Random(seed)
-        return [f"{rng.choice(string.ascii_lowercase)}:" for _ in range(n)], [rng.randrange(10) for _ in range(n)]
+        pairs = [(f"{rng.choice(string.ascii_lowercase)}:", rng.randrange(10)) for _ in range(n)]
+        return [k for k, _ in pairs], [v for _, v in pairs]
 
     async def lookup(self, key: str, value: int, rng: random.Random) -> str:
         await asyncio.sleep(rng.uniform(*self.latency_s))
