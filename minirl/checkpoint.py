@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
-from minirl.data import Rollout, RolloutBatch
+from minirl.data import Rollout, RolloutBatch, _key
 from minirl.hub import PromptItem
 from minirl.weights import reshard
 
@@ -310,5 +310,7 @@ def checkpointed_queue(checkpoint) -> tuple:
 
 def trained_uids(ck: dict) -> list:
     """The prompt uids an async trainer trained, of read_state's dict: as they were (objects.pt), or
-    from the JSON state of a checkpoint written before they moved there (a tuple uid comes back a list)."""
-    return list(ck["objects"].get("trained_uids", ck["state"].get("trained_uids", [])))
+    from the JSON state of a checkpoint written before they moved there (a list read back as the tuple it was)."""
+    if "trained_uids" in ck["objects"]:
+        return list(ck["objects"]["trained_uids"])
+    return [_key(u) for u in ck["state"].get("trained_uids", [])]

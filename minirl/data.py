@@ -360,14 +360,18 @@ def save_rollouts(path: str | os.PathLike, batches: Iterable[RolloutBatch]) -> P
     """Write batches to a JSONL file (atomically: a temp file renamed into place)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        for bi, batch in enumerate(batches):
-            if not isinstance(batch, RolloutBatch):
-                raise TypeError(f"save_rollouts takes RolloutBatches, got {type(batch).__name__} at {bi}")
-            for r in batch:
-                d = {k: v for k, v in asdict(r).items() if k != "device"}
-                line = {"batch": bi, "batch_uid": batch.uid, "batch_size": len(batch), **d}
-                f.write(json.dumps(line) + "\n")
+    try:
+        with open(tmp, "w") as f:
+            for bi, batch in enumerate(batches):
+                if not isinstance(batch, RolloutBatch):
+                    raise TypeError(f"save_rollouts takes RolloutBatches, got {type(batch).__name__} at {bi}")
+                for r in batch:
+                    d = {k: v for k, v in asdict(r).items() if k != "device"}
+                    line = {"batch": bi, "batch_uid": batch.uid, "batch_size": len(batch), **d}
+                    f.write(json.dumps(line) + "\n")
+    except BaseException:            # nothing half-written left beside the file
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     return path
 

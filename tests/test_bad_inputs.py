@@ -177,7 +177,8 @@ def test_truncated_and_garbled_rollout_files(tmp_path):
     with pytest.raises(ValueError, match="nan.jsonl:1: .*NaN or inf"):
         load_rollouts(tmp_path / "nan.jsonl")
     with pytest.raises(TypeError, match="takes RolloutBatches"):
-        save_rollouts(tmp_path / "x.jsonl", [[_rollout()]])
+        save_rollouts(tmp_path / "x.jsonl", [RolloutBatch([_rollout()], uid="a"), [_rollout()]])
+    assert not (tmp_path / "x.jsonl").exists() and not (tmp_path / "x.jsonl.tmp").exists()   # the temp file too
 
 
 def test_checkpoint_misuse(tmp_path):

@@ -294,12 +294,12 @@ def test_a_checkpoint_one_rank_cannot_write_fails_on_every_rank(tmp_path):
 def test_an_async_trainers_uids_come_back_as_they_were(tmp_path):
     """TrainWorker keeps the uids it trained in objects.pt: a tuple uid comes back a tuple (hashable, as
     the queue's rollback needs), where JSON made it a list; a checkpoint written with them in its JSON
-    state still reads."""
+    state still reads, its tuple uids tuples again."""
     model, opt = _small_state(0)
     new = Checkpointer(tmp_path / "a").save(1, model, opt, objects={"trained_uids": [("gsm8k", 0), 5]})
     old = Checkpointer(tmp_path / "b").save(1, model, opt, state={"trained_uids": [["gsm8k", 0], 5]})
     assert trained_uids(read_state(new)) == [("gsm8k", 0), 5]
-    assert trained_uids(read_state(old)) == [["gsm8k", 0], 5]
+    assert trained_uids(read_state(old)) == [("gsm8k", 0), 5]            # a list would not hash in the queue
 
 
 def test_async_killed_and_resumed_trains_every_prompt_once(ray_local, tiny_model, tmp_path):
