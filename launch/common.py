@@ -170,7 +170,8 @@ def parse_args(doc: str, run_dir: str, argv=None, *, async_loop: bool = False):
         if problem := resume_settings(args, given=vars(p.parse_args(argv))):
             p.error(problem)
     if problem := (check_args(args) or other_loop_problem(args, defaults, async_loop)
-                   or (async_problem(args) if async_loop else colocated_problem(args))):
+                   or (async_problem(args) if async_loop else colocated_problem(args))
+                   or ignored_problem(args, defaults)):
         p.error(problem)
     if args.lora_rank and args.lora_alpha is None:     # recorded as used: a resume may name the same value
         args.lora_alpha = 2.0 * args.lora_rank
@@ -225,6 +226,28 @@ def other_loop_problem(args, defaults: dict, async_loop: bool) -> str | None:
         if getattr(args, name) != defaults[name]:
             return (f"{_flag(name)} is co-located only (launch/colocated.py)" if async_loop else
                     f"{_flag(name)} is async only (launch/async.py)")
+    return None
+
+
+def ignored_problem(args, defaults: dict) -> str | None:
+    """A flag given a value of its own where this run would not read it."""
+    given = lambda *names: [n for n in names if getattr(args, n) != defaults[n]]      # noqa: E731
+    templated = args.task not in ("copy", "succ", "add") and args.model     # rendered by the model's chat template
+    rules = ((not args.data and given("prompt_key", "answer_key"), "without --data (fields of its rows)", "--data"),
+             (not (templated and not args.no_chat_template) and given("system_prompt", "thinking"), "unless the "
+              "model's chat template renders the prompts (--model, and a --task but the toys copy / succ / add)", None),
+             (not templated and given("no_chat_template"), "unless the model's "
+              "chat template would render the prompts (--model, and a --task but copy / succ / add)", None),
+             (not args.dynamic_sampling and given("refill_rounds"), "without --dynamic-sampling", "--dynamic-sampling"),
+             (not args.eval_every and given("eval_samples", "eval_k"), "without --eval-every N", "--eval-every N"),
+             (args.env and given("eval_size"), f"with --env {args.env}, which makes its own prompts", None),
+             (args.role == "trainer" and given("generators", "gen_resources"), "by --role trainer (the --role "
+              "server job generates)", None))
+    for flags, when, fix in rules:
+        if flags:
+            it = "it" if len(flags) == 1 else "them"
+            return (f"{' / '.join(map(_flag, flags))} {'is' if it == 'it' else 'are'} not read {when}: "
+                    + (f"give {fix} or drop {it}" if fix else f"drop {it}"))
     return None
 
 

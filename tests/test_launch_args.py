@@ -88,6 +88,36 @@ def test_a_flag_of_the_other_loop_is_refused(capsys):
     assert common.parse_args("doc", "runs/x", ["--generators", "4"], async_loop=True).generators == 4
 
 
+def test_a_flag_this_run_would_not_read_is_refused(capsys, tmp_path):
+    """Given where nothing reads it (they were accepted and silently ignored); where they are read, kept."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    for argv, async_loop, message in [
+            (["--prompt-key", "q"], False, "--prompt-key is not read without --data (fields of its rows): give "
+             "--data or drop it"),
+            (["--system-prompt", "be brief"], False, "--system-prompt is not read unless the model's chat template "
+             "renders the prompts (--model, and a --task but the toys copy / succ / add): drop it"),
+            (["--task", "arith", "--model", str(model), "--no-chat-template", "--thinking"], False, "--thinking is "
+             "not read unless the model's chat template renders the prompts"),
+            (["--no-chat-template"], False, "--no-chat-template is not read unless the model's chat template would "
+             "render the prompts"),
+            (["--refill-rounds", "2"], False, "--refill-rounds is not read without --dynamic-sampling: give "
+             "--dynamic-sampling or drop it"),
+            (["--eval-samples", "8", "--eval-k", "2"], False, "--eval-samples / --eval-k are not read without "
+             "--eval-every N: give --eval-every N or drop them"),
+            (["--env", "lookup", "--eval-size", "4"], False, "--eval-size is not read with --env lookup, which makes "
+             "its own prompts: drop it"),
+            (["--role", "trainer", "--generators", "2"], True, "--generators is not read by --role trainer (the "
+             "--role server job generates): drop it")]:
+        with pytest.raises(SystemExit) as e:
+            common.parse_args("doc", "runs/x", argv, async_loop=async_loop)
+        assert e.value.code == 2 and capsys.readouterr().err.strip().startswith(f"error: {message}"), argv
+    a = common.parse_args("doc", "runs/x", ["--task", "arith", "--model", str(model), "--system-prompt", "x",
+                                            "--dynamic-sampling", "--refill-rounds", "2"])
+    assert (a.system_prompt, a.refill_rounds) == ("x", 2)
+
+
 def test_a_backend_without_its_package_is_refused(monkeypatch, capsys):
     """--backends wandb without wandb installed: refused at parse time, not by the Tracker after the model loaded."""
     real = common.importlib.util.find_spec
@@ -98,11 +128,12 @@ def test_a_backend_without_its_package_is_refused(monkeypatch, capsys):
     assert common.parse_args("doc", "runs/x", ["--backends", ""]).backends == ""
 
 
-def test_defaults_and_good_values_parse():
+def test_defaults_and_good_values_parse(tmp_path):
     args = common.parse_args("doc", "runs/x", [])
     assert (args.steps, args.prompts, args.group_size, args.task, args.eval_every) == (60, 32, 8, "succ", 0)
-    args = common.parse_args("doc", "runs/x", ["--task", "gsm8k", "--data", "d.jsonl", "--eval-size", "8",
-                                               "--eval-every", "2", "--no-thinking", "--max-tokens", "8"])
+    (tmp_path / "config.json").write_text("{}")
+    args = common.parse_args("doc", "runs/x", ["--task", "gsm8k", "--data", "d.jsonl", "--eval-size", "8", "--model",
+                                               str(tmp_path), "--eval-every", "2", "--no-thinking", "--max-tokens", "8"])
     assert (args.task, args.eval_size, args.thinking) == ("gsm8k", 8, False)
     ckpt = [common.trainer_config(common.parse_args("doc", "runs/x", argv)).activation_checkpointing
             for argv in ([], ["--activation-checkpointing"], ["--activation-checkpointing", "12"])]
