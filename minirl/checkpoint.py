@@ -20,6 +20,7 @@ import random
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from minirl.data import Rollout, RolloutBatch, _key
+from minirl.distributed import on_rank0
 from minirl.hub import PromptItem
 from minirl.weights import reshard
 
@@ -46,6 +48,13 @@ def _rank() -> int:
 def _barrier():
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def _on_rank0(call, what: str) -> None:
+    """call() on rank 0 alone, then every rank goes on, or raises what it raised (disk full: the others
+    waited at the next barrier until the group's timeout)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    on_rank0(call, SimpleNamespace(rank=_rank(), world_size=world), what, share=False)
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -218,10 +227,7 @@ class Checkpointer:
         blob, state_json = _agreed(lambda: (_objects_blob(objects) if objects else None, _state_json(meta)))
         if final.exists():                  # every rank: one raising alone left the others at the barrier
             raise CheckpointError(f"checkpoint {final} already exists")
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        _barrier()
+        _on_rank0(lambda: (shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True)), f"make {tmp}")
         reshard(model)
         trained = StateDictOptions(ignore_frozen_params=True)     # frozen weights (a LoRA base) stay out
         msd, osd = get_state_dict(model, optimizer, options=trained)
@@ -232,7 +238,8 @@ class Checkpointer:
         elif hf_from is not None:
             export_hf(model, tmp / "hf", tokenizer_from=hf_from)
         _barrier()
-        if _rank() == 0:
+
+        def seal():                         # the manifest last: a checkpoint without one is incomplete
             (tmp / "state.json").write_text(state_json)
             if blob is not None:
                 (tmp / "objects.pt").write_bytes(blob)
@@ -240,7 +247,7 @@ class Checkpointer:
             os.replace(tmp, final)
             for old in self.complete()[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
-        _barrier()
+        _on_rank0(seal, f"write {final}")
         return final
 
     def load(self, model, optimizer, *, path: str | os.PathLike | None = None,

@@ -267,6 +267,15 @@ def _save_where_rank0_cannot(rank: int, port: int, root: str, out) -> None:
         out[rank] = ("no error", "", time.time() - t0)
     except Exception as e:
         out[rank] = (type(e).__name__, str(e), time.time() - t0)
+    if rank == 0:                   # then rank 0's own writing fails (a full disk) after the shards were saved
+        import minirl.checkpoint as ck
+        ck._manifest = lambda path: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    t0 = time.time()
+    try:
+        Checkpointer(root).save(2, model, opt)
+        out[rank, 2] = ("no error", "", time.time() - t0)
+    except Exception as e:
+        out[rank, 2] = (type(e).__name__, str(e), time.time() - t0)
     dist.destroy_process_group()
 
 
@@ -285,7 +294,9 @@ def test_a_checkpoint_one_rank_cannot_write_fails_on_every_rank(tmp_path):
     assert out[0][0] == "CheckpointError" and "numpy._core.multiarray.scalar is not an allowed type" in out[0][1]
     assert out[1][0] == "CheckpointError" and out[1][1].startswith("rank 0: cannot checkpoint these objects")
     assert out[1][2] < 20, out[1]                                        # not the group's 30 s timeout
-    assert not list((tmp_path / "ck").glob("*step_*"))                   # nothing written
+    assert out[0, 2][0] == "OSError" and out[1, 2][0] == "RuntimeError"      # rank 1 is told, not left waiting
+    assert out[1, 2][1].startswith("rank 0 could not write") and "No space left" in out[1, 2][1] and out[1, 2][2] < 20
+    assert not list((tmp_path / "ck").glob("step_*"))                     # nothing complete written
     model, opt = _small_state(0)
     with pytest.raises(CheckpointError, match=r"cannot checkpoint state=.*keep it to JSON"):
         Checkpointer(tmp_path / "ck").save(1, model, opt, state={"uids": {3, 4}})
