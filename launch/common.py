@@ -535,9 +535,8 @@ def model_path(args) -> str:
 
 def start_server(args, task):
     """(async) The generation side: a pool of vLLM actors working through every prompt of the
-    run. With --role server this is the whole job: it returns (shut down) when the trainer is done;
-    with both, train_worker starts it once the trainer gave the queue its staleness bound. Shut down
-    at once if a step of its start fails or is interrupted."""
+    run. With --role server this is the whole job: it returns (shut down) when the trainer is done.
+    Shut down at once if a step of its start fails or is interrupted."""
     from actors.server import RolloutServer
     if args.role == "trainer":
         return None
@@ -558,7 +557,8 @@ def start_server(args, task):
         if args.resume:                  # prompts trained before the checkpoint never come back
             say("restored:", srv.restore(Path(args.run_dir) / "checkpoints"))
         srv.submit(prompts, metadata=answers, skip_known=args.resume)
-        if args.role == "both":          # runs once the trainer gave the queue its staleness bound (train_worker)
+        if args.role == "both":
+            srv.run(block=False)
             return srv
         say("server:", served(srv.run()))
         srv.wait_trainer_done()          # the trainer still trains and syncs the last batches
@@ -594,8 +594,6 @@ def train_worker(args, srv):
                              max_staleness=args.max_staleness, transport=args.transport,
                              verify_sync=not args.no_verify)
         say(f"ready: the trainer in {time.time() - t:.0f} s; each step trains on a batch from the queue")
-        if srv is not None:    # only now: before the trainer's bound they leased every prompt at version 0
-            srv.run(block=False)         # and the late ones were generated again as too stale
         yield worker
     except BaseException:
         if worker is not None:

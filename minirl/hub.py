@@ -22,13 +22,15 @@ it); a prompt leased to a generator holding version g gets the deadline g + S. T
       #{open: deadline <= t} <= (t - version) * B + (B - taken at this version, >= 0); and at most
       max_batches are open (one step per version: the trainer publishes after each take; a take at a
       version whose share it took already, after a step that changed no weight, opens a new share).
+      Before the trainer set its bound: at most max_batches open (a queue sized B x (S + 1) admits so
+      its first S + 1 steps, all at version 0).
   (b) take_batches(n) at version t delivers the n open prompts of the earliest deadlines (among equal
       deadlines finished ones first) and waits while any of those is unfinished rather than train newer ones
       ("waited_for_old"), bounded by the caller's timeout.
 By (a) the prompts due at version t never outnumber B, by (b) they are all in step t's batch, so finished work
 is not wasted; max_staleness=0 stays on-policy. A safety net re-queues batches past their deadline anyway
-("recycled_stale": a restored buffer, admission=False, prompts leased before the trainer set its bound,
-several takes per version). With admission the leases bound the buffer: a put never waits.
+("recycled_stale": a restored buffer, admission=False, a bound unlike the queue's size, several takes per
+version). With admission the leases bound the buffer: a put never waits.
 
 actors/queue.py wraps a hub in an async Ray actor. Tests: `pytest tests/test_hub.py`. Hardware: CPU.
 """
@@ -132,11 +134,9 @@ class RolloutHub:
         self._closed = self.trainer_done = self.done_seen = False
         self._recycled_stale = self._duplicates = self._version = self._rolled_back = self._top_version = 0
         self._weights, self._workers = None, {}      # the trainer's weights handle; worker_id -> handle
-        self.max_staleness: int | None = None   # set by the trainer; see take_prompts, take_batches
-        self.batch_size: int | None = None      # prompts per trainer step, set with max_staleness
+        self.max_staleness = self.batch_size = None    # the trainer's bound, its prompts a step: set_max_staleness
         self.admission = admission              # False: the old rule (lease while fresh, recycle late)
-        self._deadline: dict[Any, int] = {}     # leased uid -> generator's version at lease + S
-        self._order: dict[Any, int] = {}        # leased uid -> lease number (ties: older first)
+        self._deadline, self._order = {}, {}    # leased uid -> generator's version at lease + S; -> lease number
         self._lease_no = itertools.count()      # the next lease number
         self._taken, self._waited = (0, 0), set()   # (version, prompts delivered at it); uids take_batches waited for
         self._starved: dict[str, float] = {}    # worker_id -> since when take_prompts refused it (stale weights)
@@ -254,6 +254,8 @@ class RolloutHub:
         if self._admits():
             dues = [self._due(u) for u in (*self._leases, *self._buffer)]    # rule (a): [] until the trainer steps
             k = min(k, admission_room(dues, due, self._version, self.batch_size, self._taken_now(), self.max_batches))
+        elif self.admission:         # before the trainer's bound: what the buffer holds (else stale by its first steps)
+            k = min(k, max(0, self.max_batches - len(self._leases) - len(self._buffer)))
         uids = [self._pending.popitem(last=False)[0] for _ in range(k)]
         self._leases.update(dict.fromkeys(uids, worker_id))
         self._order.update((u, next(self._lease_no)) for u in uids)

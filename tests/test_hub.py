@@ -620,20 +620,24 @@ def test_admission_counts_by_deadline():
     assert hub.stats()["recycled_stale"] == 0
 
 
-def test_put_never_waits_under_admission_for_the_batches_a_step_waits_for():
-    """Prompts leased before the trainer announced its bound (no admission yet) fill the buffer with
-    newer batches; the step then waits for the older leased ones, whose put must not wait for room
-    (it would never come: a deadlock until the timeout)."""
+def test_before_the_trainers_bound_leases_stop_at_what_the_buffer_holds():
+    """Before the trainer announced its bound, generators lease no more prompts than the buffer holds:
+    a step's batches never wait behind newer ones that filled it (a put that waited for room then would
+    deadlock), and none is generated too early to train (an async launch of 3 steps of 8 prompts had
+    leased all 24 at version 0 and generated 8 again as too stale)."""
     hub = RolloutHub(max_batches=2)
     hub.add_prompts(prompts(range(4)))
-    assert uids(hub.take_prompts("a", 4, version=0)) == [0, 1, 2, 3]
-    hub.put_batches("a", [batch(1, version=1), batch(2, version=1)])
-    assert hub.space() == 0
+    assert uids(hub.take_prompts("a", 4, version=0)) == [0, 1]              # 2 open: all the buffer holds
+    hub.put_batches("a", [batch(1)])
+    assert hub.take_prompts("a", 4, version=0) == []                      # 1 open + 1 buffered
     hub.set_max_staleness(0, 2)
-    assert hub.take_batches(2) is None and hub.stats()["waited_for_old"] == 2   # 0 and 3 are due first
-    assert hub.space() >= 1
-    hub.put_batches("a", [batch(3), batch(0)])
-    assert uids(hub.take_batches(2)) == [0, 3] and uids(hub.take_batches(2)) == [1, 2]
+    assert hub.take_batches(2) is None and hub.space() >= 1                # waits for 0, whose put has room
+    hub.put_batches("a", [batch(0)])
+    assert uids(hub.take_batches(2)) == [0, 1] and hub.stats()["recycled_stale"] == 0
+    assert uids(hub.take_prompts("a", 4, version=1)) == [2, 3]            # the trainer's bound admits the rest
+    old = RolloutHub(max_batches=2, admission=False)                       # the old rule: no cap
+    old.add_prompts(prompts(range(4)))
+    assert uids(old.take_prompts("a", 4)) == [0, 1, 2, 3]
 
 
 def test_the_trainers_end_is_kept_until_the_server_saw_it():
