@@ -28,7 +28,7 @@ def train(args, worker: TrainWorker, log, ckpt=None, start=1, evaluate=None):
     if evaluate is not None and start == 1:                     # held-out pass@1 / pass@k before training
         log(0, evaluate())
     t1 = time.perf_counter()
-    for step, batches in enumerate(worker.pull_rollouts(), start):   # <= max_staleness versions old
+    for step, batches in zip(range(start, args.steps + 1), worker.pull_rollouts()):   # <= max_staleness versions old
         t2 = time.perf_counter()
         metrics = common.train_step(worker.trainer, batches, args, step, off_policy="tis",   # stale tokens
                                     max_staleness=args.max_staleness)

@@ -203,8 +203,9 @@ class RolloutHub:
         """The trainer's staleness bound and (for admission) how many prompts one of its steps takes."""
         if int(max_staleness) < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
-        if batch_size is not None and int(batch_size) < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if batch_size is not None and not 1 <= int(batch_size) <= self.max_batches:     # a step takes that many
+            raise ValueError(f"batch_size={batch_size} must be in [1, max_batches={self.max_batches}]: a larger queue "
+                             "(RolloutServer queue_size; launch: the server's --prompts x (--max-staleness + 1))")
         self.max_staleness = int(max_staleness)
         self.batch_size = None if batch_size is None else int(batch_size)
 
@@ -228,8 +229,7 @@ class RolloutHub:
         self.trainer_done = True
 
     def see_trainer_done(self) -> bool:
-        """The server side asks whether the trainer is done; once it is, the trainer learns it was seen
-        (done_seen: until then it stays, to tell a hub rebuilt meanwhile again)."""
+        """Whether the trainer is done (the server asks); then done_seen (a hub rebuilt before is told again)."""
         self.done_seen = self.done_seen or self.trainer_done
         return self.trainer_done
 
@@ -247,8 +247,8 @@ class RolloutHub:
             self._starved.setdefault(worker_id, time.monotonic())
             return None
         self._starved.pop(worker_id, None)
-        if self.error is not None or self.awaiting:   # the run stops, or a rebuilt hub waits for its state
-            return []
+        if self.error is not None or self.awaiting or self.trainer_done:   # the run stops or ended, or a rebuilt
+            return []                                                      # hub waits for its state
         k = min(k, len(self._pending))
         due = (self._version if version is None else version) + (self.max_staleness or 0)
         if self._admits():
@@ -449,8 +449,8 @@ class RolloutHub:
                              f"started with model {model_id}")
 
     def finished(self) -> bool:
-        """Prompts are closed and nothing is pending, leased or buffered; or a failure stops the run."""
-        return (self._closed and not self._items and not self.awaiting) or self.error is not None
+        """Prompts closed and none open or buffered; or a failure stopped the run; or the trainer is done."""
+        return (self._closed and not self._items and not self.awaiting) or self.error is not None or self.trainer_done
 
     def stats(self) -> dict:
         return {"pending": len(self._pending), "leased": len(self._leases), "buffered": len(self._buffer),

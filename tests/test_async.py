@@ -317,7 +317,7 @@ def test_async_sync_is_verified(ray_local, tiny_model, changed, msg):
     from minirl.weights import SyncError
     name = f"q-verify-{changed}"
     q = create_queue(name, max_batches=4, model_id=model_identity(tiny_model), detached=False)
-    worker = TrainWorker(tiny_model, name, lr=1e-3)
+    worker = TrainWorker(tiny_model, name, lr=1e-3, batch_size=4)      # steps the queue can hold
     ray.get(q.register_worker.remote("gen-liar", _LyingGenerator.remote(changed)), timeout=60)
     rs = [r for b in _rollout_batches(worker) for r in b]
     worker.trainer.forward_backward(rs, ppo_loss_fn(entropy=False))
@@ -341,7 +341,7 @@ def test_a_collective_push_before_any_generator_registered(ray_local, tiny_model
     from minirl.model import model_identity
     name = "q-collective-empty"
     q = create_queue(name, max_batches=4, model_id=model_identity(tiny_model), detached=False)
-    worker = TrainWorker(tiny_model, name, lr=1e-3, transport="collective", verify_sync=False)
+    worker = TrainWorker(tiny_model, name, lr=1e-3, batch_size=4, transport="collective", verify_sync=False)
     try:
         assert worker.sync_weights()["generators"] == 0
     finally:

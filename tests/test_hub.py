@@ -620,6 +620,16 @@ def test_admission_counts_by_deadline():
     assert hub.stats()["recycled_stale"] == 0
 
 
+def test_a_trainer_step_larger_than_the_queue_is_refused_when_it_announces_its_bound():
+    """TrainWorker announces its bound before its model loads: a step of more batches than the queue holds
+    is refused there (it raised at the first take, after the model loaded)."""
+    hub = RolloutHub(max_batches=4)
+    with pytest.raises(ValueError, match=r"batch_size=5 must be in \[1, max_batches=4\]: a larger queue"):
+        hub.set_max_staleness(1, 5)
+    hub.set_max_staleness(1, 4)
+    assert hub.stats()["batch_size"] == 4
+
+
 def test_before_the_trainers_bound_leases_stop_at_what_the_buffer_holds():
     """Before the trainer announced its bound, generators lease no more prompts than the buffer holds:
     a step's batches never wait behind newer ones that filled it (a put that waited for room then would
@@ -638,6 +648,18 @@ def test_before_the_trainers_bound_leases_stop_at_what_the_buffer_holds():
     old = RolloutHub(max_batches=2, admission=False)                       # the old rule: no cap
     old.add_prompts(prompts(range(4)))
     assert uids(old.take_prompts("a", 4)) == [0, 1, 2, 3]
+
+
+def test_a_trainer_done_before_the_prompts_ran_out_ends_the_run():
+    """A trainer that trained the steps it was asked for (--role trainer --steps K under a server with more
+    prompts) ends the run: nothing more is leased and the generators' loops end (the server job waited
+    for the rest forever)."""
+    hub = RolloutHub(max_batches=4)
+    hub.add_prompts(prompts(range(8)))
+    hub.close_prompts()
+    assert uids(hub.take_prompts("a", 2)) == [0, 1] and not hub.finished()
+    hub.set_trainer_done()
+    assert hub.finished() and hub.take_prompts("a", 2) == []
 
 
 def test_the_trainers_end_is_kept_until_the_server_saw_it():
