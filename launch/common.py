@@ -169,9 +169,8 @@ def parse_args(doc: str, run_dir: str, argv=None, *, async_loop: bool = False):
             action.default = argparse.SUPPRESS
         if problem := resume_settings(args, given=vars(p.parse_args(argv))):
             p.error(problem)
-    if problem := (check_args(args) or other_loop_problem(args, defaults, async_loop)
-                   or (async_problem(args) if async_loop else colocated_problem(args))
-                   or ignored_problem(args, defaults)):
+    if problem := (check_args(args) or ignored_problem(args, defaults, async_loop)
+                   or (async_problem(args) if async_loop else colocated_problem(args))):
         p.error(problem)
     if args.lora_rank and args.lora_alpha is None:     # recorded as used: a resume may name the same value
         args.lora_alpha = 2.0 * args.lora_rank
@@ -220,18 +219,13 @@ ASYNC_ONLY = ("role", "queue", "generators", "max_staleness", "transport", "gen_
 """Flags marked (co-located) or (async) in --help: the other loop would ignore them (or, --ray, fail late)."""
 
 
-def other_loop_problem(args, defaults: dict, async_loop: bool) -> str | None:
-    """A flag of the other loop given a value of its own (not its default)."""
-    for name in COLOCATED_ONLY if async_loop else ASYNC_ONLY:
-        if getattr(args, name) != defaults[name]:
-            return (f"{_flag(name)} is co-located only (launch/colocated.py)" if async_loop else
-                    f"{_flag(name)} is async only (launch/async.py)")
-    return None
-
-
-def ignored_problem(args, defaults: dict) -> str | None:
-    """A flag given a value of its own where this run would not read it."""
+def ignored_problem(args, defaults: dict, async_loop: bool) -> str | None:
+    """A flag given a value of its own (not its default) where this run would not read it: one of the
+    other loop's, or one that another flag decides."""
     given = lambda *names: [n for n in names if getattr(args, n) != defaults[n]]      # noqa: E731
+    if other := given(*(COLOCATED_ONLY if async_loop else ASYNC_ONLY)):
+        return (f"{_flag(other[0])} is co-located only (launch/colocated.py)" if async_loop else
+                f"{_flag(other[0])} is async only (launch/async.py)")
     templated = args.task not in ("copy", "succ", "add") and args.model     # rendered by the model's chat template
     rules = ((not args.data and given("prompt_key", "answer_key"), "without --data (fields of its rows)", "--data"),
              (not (templated and not args.no_chat_template) and given("system_prompt", "thinking"), "unless the "
